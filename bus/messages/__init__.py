@@ -1,0 +1,90 @@
+"""The message catalog: every message that travels the bus, declared once.
+
+Each actor declares its inbox as a union of these types and decodes with a typed
+decoder, so a message it does not expect is a decode error event, not a silent miss.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+from shunter.bus.messages.base import Envelope, FinishReason, Msg, topic_of
+from shunter.bus.messages.cache import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Census,
+    CensusBroken,
+    ChunkCached,
+    DropTree,
+    FreeRefused,
+    LeaseGranted,
+    LeaseRequest,
+    LeaseReturned,
+    Matched,
+    RefreshMatch,
+    SchedulerCensus,
+    SequenceReleased,
+    TreeDropped,
+)
+from shunter.bus.messages.flip import AdmissionPaused, FlipBegin, FlipCutover, FlipDone
+from shunter.bus.messages.health import (
+    ActorDied,
+    BusGap,
+    DecodeFailed,
+    HealthPing,
+    HealthPong,
+    Heartbeat,
+    Ready,
+    Shutdown,
+)
+from shunter.bus.messages.request import (
+    AbortRequest,
+    ChatMessage,
+    GenerateRequest,
+    RequestFailed,
+    SamplingParams,
+)
+from shunter.bus.messages.sched import (
+    LAST_SAMPLED,
+    ForwardBatch,
+    RequestOutput,
+    RowOpen,
+    SchedulerStats,
+    StepResult,
+    Tick,
+    TokensOut,
+)
+from shunter.bus.messages.spill import LoadPages, PagesLoaded, PagesSpilled, SpillPages
+from shunter.bus.messages.tokenizer import TextDelta, TextDeltas, Tokenized, TopLogprob
+
+ALL_MESSAGES: tuple[type[Msg], ...] = (
+    GenerateRequest, AbortRequest, RequestFailed,
+    Tokenized, TextDeltas,
+    Matched, RefreshMatch, LeaseRequest, LeaseGranted, LeaseReturned, ChunkCached,
+    SequenceReleased, SchedulerCensus, Census, CensusBroken, FreeRefused, DropTree,
+    TreeDropped, BlockStored, BlockRemoved, AllBlocksCleared,
+    ForwardBatch, StepResult, TokensOut, Tick, SchedulerStats,
+    SpillPages, PagesSpilled, LoadPages, PagesLoaded,
+    FlipBegin, AdmissionPaused, FlipCutover, FlipDone,
+    Ready, Heartbeat, HealthPing, HealthPong, ActorDied, Shutdown, BusGap, DecodeFailed,
+)  # fmt: skip
+
+# Any message at all: what the recorder and `busctl` decode with.
+AnyMessage = Union[ALL_MESSAGES]  # type: ignore[valid-type]  # noqa: UP007
+
+TOPICS: dict[str, type[Msg]] = {topic_of(m): m for m in ALL_MESSAGES}
+assert len(TOPICS) == len(ALL_MESSAGES), "two messages share a tag"
+
+__all__ = [
+    "ALL_MESSAGES", "LAST_SAMPLED", "TOPICS", "AbortRequest", "ActorDied", "AdmissionPaused",
+    "AllBlocksCleared", "AnyMessage", "BlockRemoved", "BlockStored", "BusGap", "Census",
+    "CensusBroken", "ChatMessage", "ChunkCached", "DecodeFailed", "DropTree", "Envelope",
+    "FinishReason", "FlipBegin", "FlipCutover", "FlipDone", "ForwardBatch", "FreeRefused",
+    "GenerateRequest", "HealthPing", "HealthPong", "Heartbeat", "LeaseGranted",
+    "LeaseRequest", "LeaseReturned", "LoadPages", "Matched", "Msg", "PagesLoaded",
+    "PagesSpilled", "Ready", "RefreshMatch", "RequestFailed", "RequestOutput", "RowOpen",
+    "SamplingParams", "SchedulerCensus", "SchedulerStats", "SequenceReleased", "Shutdown",
+    "SpillPages", "StepResult", "TextDelta", "TextDeltas", "Tick", "Tokenized", "TokensOut",
+    "TopLogprob", "TreeDropped", "topic_of",
+]  # fmt: skip

@@ -1,0 +1,138 @@
+"""Cache manager: prefix matches, KV page leases, the tree's ledger, census, KV events.
+
+Pages are the unit of KV allocation: page p holds tokens [p*page_size, (p+1)*page_size)
+of the pool's flat slot space (page size 1 means page == slot). Every page is in exactly
+one place: free, leased to the scheduler and unused, held by a running request, or
+cached in the tree. The census checks that at every step boundary.
+"""
+
+from __future__ import annotations
+
+from shunter.bus.messages.base import Msg
+from shunter.bus.messages.tokenizer import Tokenized
+
+
+class Matched(Msg, tag="cache.matched"):
+    """A request's longest cached prefix, locked until the request releases it."""
+
+    request: Tokenized
+    num_cached_tokens: int
+    prefix_pages: list[int]  # pages holding the first num_cached_tokens tokens
+    tree_version: int  # the tree's insert count when matched; admission re-matches if stale
+
+
+class RefreshMatch(Msg, tag="cache.refresh"):
+    """Scheduler to cache manager: the tree grew since this request was matched;
+    unlock the old match, match again and answer with a new Matched."""
+
+    request_id: str
+
+
+class LeaseRequest(Msg, tag="cache.lease.request"):
+    """Scheduler asks for free pages up front, so its per-step hot path has no round trip."""
+
+    lease_seq: int  # scheduler's counter; answers carry it back
+    num_pages: int
+
+
+class LeaseGranted(Msg, tag="cache.lease.granted"):
+    lease_seq: int
+    pages: list[int]  # may be fewer than asked for (possibly none) when the pool is short
+    num_evicted_pages: int = 0  # evicted from the tree to make this grant
+
+
+class LeaseReturned(Msg, tag="cache.lease.returned"):
+    """Scheduler gives unused leased pages back."""
+
+    pages: list[int]
+
+
+class ChunkCached(Msg, tag="cache.chunk"):
+    """A chunked prefill finished a chunk: insert its tokens so followers can share them.
+    The request's lock moves to the new node; its pages now belong to the tree."""
+
+    request_id: str
+    token_ids: list[int]  # the request's whole computed prefix so far
+    pages: list[int]  # its pages, prefix pages included
+
+
+class SequenceReleased(Msg, tag="cache.release"):
+    """A request leaves the running batch: insert its computed tokens (unless reason is
+    "aborted" and caching is off), free duplicate and surplus pages, unlock its match.
+    For reason "retracted" the cache manager matches the request again and answers with
+    a new Matched, so the scheduler gets it back in its waiting queue."""
+
+    request_id: str
+    token_ids: list[int]  # tokens whose KV is computed, in order
+    pages: list[int]  # all of the request's pages, prefix pages included
+    reason: str = "finished"  # "finished", "aborted", "retracted"
+
+
+class SchedulerCensus(Msg, tag="cache.census.sched"):
+    """Scheduler's side of the census, sent at every step boundary."""
+
+    step_id: int
+    last_lease_seq: int  # grants up to this seq have been received
+    num_leased_unused: int
+    num_held_by_requests: int
+
+
+class Census(Msg, tag="cache.census"):
+    """free + leased_unused + held_by_requests + cached_in_tree == total, per tier."""
+
+    step_id: int
+    tier: str  # "device", "host", "disk"
+    total: int
+    free: int
+    leased_unused: int
+    held_by_requests: int
+    cached_in_tree: int
+    ok: bool
+
+
+class CensusBroken(Msg, tag="cache.error.census"):
+    step_id: int
+    tier: str
+    difference: int  # counted - total
+    detail: str
+
+
+class FreeRefused(Msg, tag="cache.error.free"):
+    """A free that was not applied: the page was already free, or held by another."""
+
+    pages: list[int]
+    claimed_by: str  # who tried to free them
+    reason: str
+
+
+class DropTree(Msg, tag="cache.drop"):
+    """Flip primitive (and /flush_cache): drop the prefix tree and reclaim every row it
+    holds, locked ones included. Refused while a copy is in flight."""
+
+    flip_id: str
+    include_locked: bool = True
+
+
+class TreeDropped(Msg, tag="cache.dropped"):
+    flip_id: str
+    num_pages_reclaimed: int
+    ok: bool = True
+    reason: str = ""  # why it was refused, when ok is False
+
+
+class BlockStored(Msg, tag="cache.kv.stored"):
+    """KV event (vLLM/SGLang schema): blocks entered the prefix cache."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: str | None = None  # the extra_key namespace, when set
+
+
+class BlockRemoved(Msg, tag="cache.kv.removed"):
+    block_hashes: list[int]
+
+
+class AllBlocksCleared(Msg, tag="cache.kv.cleared"):
+    pass

@@ -1,0 +1,33 @@
+"""Flip cutover: a coordinated change of what the engine serves while it runs
+(new weights, released/resumed memory, a new KV layout). Each step is an event."""
+
+from __future__ import annotations
+
+from shunter.bus.messages.base import Msg
+
+
+class FlipBegin(Msg, tag="flip.begin"):
+    flip_id: str
+    kind: str  # "update_weights", "release_memory", "resume_memory", "kv_layout"
+    params: dict[str, str] = {}  # e.g. {"model_path": ...}
+    retract: bool = False  # retract running requests instead of draining them
+
+
+class AdmissionPaused(Msg, tag="flip.paused"):
+    flip_id: str
+    num_running: int
+    num_waiting: int
+
+
+class FlipCutover(Msg, tag="flip.cutover"):
+    """Reconfiguration done; batches from now on carry this version."""
+
+    flip_id: str
+    version: int
+
+
+class FlipDone(Msg, tag="flip.done"):
+    flip_id: str
+    version: int
+    ok: bool
+    message: str = ""

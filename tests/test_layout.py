@@ -25,7 +25,9 @@ def _package_dirs() -> set[str]:
 
 
 def test_every_package_folder_is_listed_in_pyproject():
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
     missing = _package_dirs() - listed
     assert not missing, f"package folders missing from pyproject's package list: {sorted(missing)}"
     stale = listed - _package_dirs()
@@ -42,7 +44,9 @@ def test_wheel_holds_every_package_and_no_generic_top_level(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"shunter"}, tops
-    in_wheel = {"/".join(n.split("/")[:-1]).replace("/", ".") for n in names if n.endswith("/__init__.py")}
+    in_wheel = {
+        "/".join(n.split("/")[:-1]).replace("/", ".") for n in names if n.endswith("/__init__.py")
+    }
     assert _package_dirs() <= in_wheel, sorted(_package_dirs() - in_wheel)
     assert not any(n.startswith("shunter/tests/") for n in names)
 

@@ -4,6 +4,24 @@ Pages are the unit of KV allocation: page p holds tokens [p*page_size, (p+1)*pag
 of the pool's flat slot space (page size 1 means page == slot). Every page is in exactly
 one place: free, leased to the scheduler and unused, held by a running request, or
 cached in the tree. The census checks that at every step boundary.
+
+Protocol between the scheduler and the cache manager (actors/cache_manager/core.py):
+- Every Matched the scheduler receives is ended by exactly one SequenceReleased, or
+  replaced by a newer Matched for the same request id (answer to RefreshMatch, a
+  retraction, or a DropTree). That holds for a request aborted while still waiting too:
+  the scheduler releases it with reason "aborted" (token_ids and pages may then be
+  empty, which only unlocks its match). The cache manager never unlocks on an
+  AbortRequest by itself: only the scheduler knows whether the request was admitted
+  meanwhile, and unlocking a running request's prefix would let its pages be evicted
+  and leased to another request while its row still reads them.
+- Pages of the tree (a match's prefix_pages) are the tree's, never the scheduler's: they
+  are not counted in SchedulerCensus.num_held_by_requests. Pages handed over by
+  ChunkCached leave the scheduler's count too (the cache manager counts them from then
+  on, in the tree or, where the tree already had those positions, aside for the request
+  until its release).
+- A page the cache manager cannot account for (already free, the tree's at another
+  position, a request it does not know) makes the whole message refused: FreeRefused,
+  and nothing of that message is applied.
 """
 
 from __future__ import annotations
@@ -13,7 +31,12 @@ from shunter.bus.messages.tokenizer import Tokenized
 
 
 class Matched(Msg, tag="cache.matched"):
-    """A request's longest cached prefix, locked until the request releases it."""
+    """A request's longest cached prefix, locked until the request releases it.
+
+    The match is page-aligned and leaves at least one token to compute (its logits are
+    needed), so num_cached_tokens <= len(input_ids) - 1. After a retraction the match is
+    over the tokens the request had computed (prompt plus output so far, as sent in
+    SequenceReleased.token_ids), so num_cached_tokens may exceed len(request.input_ids)."""
 
     request: Tokenized
     num_cached_tokens: int
@@ -49,11 +72,14 @@ class LeaseReturned(Msg, tag="cache.lease.returned"):
 
 class ChunkCached(Msg, tag="cache.chunk"):
     """A chunked prefill finished a chunk: insert its tokens so followers can share them.
-    The request's lock moves to the new node; its pages now belong to the tree."""
+    The request's lock moves to the new node; its pages covering the page-aligned part of
+    token_ids now belong to the cache manager (the tree's, or kept aside for the request
+    where the tree already held those positions; those are freed at its release). The
+    request's row keeps using them; it lists them again in its SequenceReleased."""
 
     request_id: str
     token_ids: list[int]  # the request's whole computed prefix so far
-    pages: list[int]  # its pages, prefix pages included
+    pages: list[int]  # its pages, prefix pages included; any beyond the aligned part stay its own
 
 
 class SequenceReleased(Msg, tag="cache.release"):
@@ -73,8 +99,8 @@ class SchedulerCensus(Msg, tag="cache.census.sched"):
 
     step_id: int
     last_lease_seq: int  # grants up to this seq have been received
-    num_leased_unused: int
-    num_held_by_requests: int
+    num_leased_unused: int  # leased pages in the scheduler's pool, in no request's row
+    num_held_by_requests: int  # leased pages in rows, not yet handed over by ChunkCached
 
 
 class Census(Msg, tag="cache.census"):

@@ -1,1 +1,63 @@
-"""bus"""
+"""The message bus: typed msgspec messages over pub/sub, in-process or over ZMQ.
+
+- `shunter.bus.messages`: the message catalog (the contract between actors).
+- `shunter.bus.codec`: the wire format, `Frames(topic, envelope, body)`.
+- `shunter.bus.transport`: the `Bus` API (publish, subscribe, subscribe_raw, request,
+  wait_connected) and the in-process transport (`InProcHub().connect("scheduler")`).
+- `shunter.bus.zmq_transport` / `shunter.bus.broker`: the ZMQ transport through an
+  XSUB/XPUB broker (`ipc://` on one host, `tcp://` with CURVE across hosts).
+
+`import shunter.bus` does not import zmq; the ZMQ names load on first use.
+"""
+
+from __future__ import annotations
+
+from shunter.bus.codec import Decoder, Frames, decode_envelope, encode
+from shunter.bus.transport import (
+    Bus,
+    BusStatistics,
+    InProcBus,
+    InProcHub,
+    RawSubscription,
+    Received,
+    Subscription,
+    SubscriptionStatistics,
+)
+
+_LAZY = {
+    "ZmqBus": "shunter.bus.zmq_transport",
+    "BusEndpoints": "shunter.bus.zmq_transport",
+    "default_endpoints": "shunter.bus.zmq_transport",
+    "Broker": "shunter.bus.broker",
+    "CurveKeys": "shunter.bus.curve",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shunter.bus' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = [
+    "Broker",
+    "Bus",
+    "BusEndpoints",
+    "BusStatistics",
+    "CurveKeys",
+    "Decoder",
+    "Frames",
+    "InProcBus",
+    "InProcHub",
+    "RawSubscription",
+    "Received",
+    "Subscription",
+    "SubscriptionStatistics",
+    "ZmqBus",
+    "decode_envelope",
+    "default_endpoints",
+    "encode",
+]

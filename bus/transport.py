@@ -1,0 +1,564 @@
+"""The Bus API every actor uses, and the in-process transport.
+
+Theory of operation:
+    A `Bus` is one actor's connection: it publishes under its `publisher_id` and opens
+    subscriptions by topic prefix. `publish` stamps an `Envelope` (publisher id, a seq
+    that counts from 0 with no holes, monotonic and wall ns), encodes to `Frames` and
+    hands them to the transport in one synchronous step, so a publisher's messages
+    reach every subscriber in seq order even when several of its tasks publish.
+
+    A subscription is a bounded queue of frames plus a decoder. Every received envelope
+    is checked against the last seq seen from its publisher: a jump is counted and
+    published as `BusGap`; bytes the subscription's typed decoder rejects are counted
+    and published as `DecodeFailed` (then skipped: the subscriber keeps running). The
+    first message seen from a publisher sets its baseline, so joining late is no gap;
+    a seq that goes backwards means the publisher restarted and resets the baseline.
+
+    In-process transport: `InProcHub` routes frames to the queues of every matching
+    subscription of every bus connected to it, in the same event loop. Messages are
+    really encoded on publish and decoded on receive, so the in-process bus behaves like
+    ZMQ (fresh immutable objects, typed decoding errors) and tests on it mean something.
+    A full queue makes `publish` wait for room (backpressure); nothing is dropped.
+
+Invariants:
+    - Per publisher, a subscriber receives messages in seq order, without holes.
+    - A subscription sees every message published after it was connected
+      (`await sub.wait_connected()`, or `async with bus.subscribe(...)`; immediate
+      in-process, a probe round trip on ZMQ; `bus.wait_connected()` covers them all).
+    - Bus error events (`bus.*` topics) are never refused for lack of room, and a
+      subscription never reports a failure to decode a `bus.*` event as another event.
+    - Runs on anyio's asyncio backend (zmq.asyncio needs an asyncio loop).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import collections
+import time
+from collections.abc import Callable, Iterable
+from typing import NamedTuple, TypeVar
+
+import anyio
+import msgspec
+
+from shunter.bus.codec import Decoder, Frames, decode_envelope, encode, topic_bytes
+from shunter.bus.messages import BusGap, DecodeFailed, Envelope, Msg, topic_of
+
+M = TypeVar("M", bound=Msg)
+DEFAULT_MAX_QUEUE = 4096  # messages a subscription buffers before publishers wait
+_EVENT_PREFIX = b"bus."
+
+
+class Received(NamedTuple):
+    topic: str
+    envelope: Envelope
+    msg: Msg
+
+
+class SubscriptionStatistics(msgspec.Struct, frozen=True):
+    subscriber_id: str
+    prefixes: tuple[str, ...]
+    num_received: int  # messages handed to the consumer
+    num_decode_failed: int
+    num_gaps: int  # seq jumps seen
+    num_lost: int  # messages missing in those jumps
+    num_seq_resets: int  # a publisher's seq went backwards (it restarted)
+    num_queued: int
+    max_queue: int
+
+
+class BusStatistics(msgspec.Struct, frozen=True):
+    publisher_id: str
+    transport: str
+    num_published: int
+    num_events: int  # BusGap / DecodeFailed this bus published for its subscriptions
+    num_subscriptions: int
+    closed: bool
+
+
+class Source(abc.ABC):
+    """Transport side of a subscription: a stream of frames."""
+
+    max_queue: int
+
+    @abc.abstractmethod
+    def get_nowait(self) -> Frames:
+        """Next frames; raises anyio.WouldBlock if none, ClosedResourceError if closed."""
+
+    @abc.abstractmethod
+    async def get(self) -> Frames: ...
+
+    @abc.abstractmethod
+    async def wait_connected(self, timeout_s: float) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    @property
+    @abc.abstractmethod
+    def num_queued(self) -> int: ...
+
+
+class RawSubscription:
+    """Undecoded frames of matching topics (recorder, busctl). Gap-checked."""
+
+    def __init__(self, bus: Bus, prefixes: tuple[str, ...], source: Source) -> None:
+        self._bus = bus
+        self.prefixes = prefixes
+        self.subscriber_id = bus.publisher_id
+        self._source = source
+        self._next_seq: dict[str, int] = {}
+        self._closed = False
+        self._num_received = self._num_decode_failed = 0
+        self._num_gaps = self._num_lost = self._num_seq_resets = 0
+
+    # -- the consumer's side ------------------------------------------------------------
+
+    async def receive(self) -> Frames:
+        while True:
+            frames = await self._source.get()
+            if self._check(frames) is not None:
+                self._num_received += 1
+                return frames
+
+    def receive_nowait(self) -> Frames:
+        while True:
+            frames = self._source.get_nowait()
+            if self._check(frames) is not None:
+                self._num_received += 1
+                return frames
+
+    async def wait_connected(self, timeout_s: float = 10.0) -> None:
+        """Return once every message published from now on will reach this subscription."""
+        await self._source.wait_connected(timeout_s)
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._source.close()
+            self._bus._forget(self)
+
+    def statistics(self) -> SubscriptionStatistics:
+        return SubscriptionStatistics(
+            self.subscriber_id, self.prefixes, self._num_received, self._num_decode_failed,
+            self._num_gaps, self._num_lost, self._num_seq_resets, self._source.num_queued,
+            self._source.max_queue,
+        )  # fmt: skip
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        try:
+            return await self.receive()
+        except (anyio.ClosedResourceError, anyio.EndOfStream):
+            raise StopAsyncIteration from None
+
+    async def __aenter__(self):
+        await self.wait_connected()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- checks -------------------------------------------------------------------------
+
+    def _check(self, frames: Frames) -> Envelope | None:
+        """Decode the envelope and check its seq; None means skip these frames."""
+        try:
+            env = decode_envelope(frames.envelope)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self._decode_failed(frames.topic, f"envelope: {e}")
+            return None
+        pid, seq = env.publisher_id, env.seq
+        expected = self._next_seq.get(pid)
+        if expected is not None and seq != expected:
+            if seq > expected:
+                self._num_gaps += 1
+                self._num_lost += seq - expected
+                self._bus._emit(BusGap(self.subscriber_id, pid, expected, seq))
+            else:
+                self._num_seq_resets += 1
+        self._next_seq[pid] = seq + 1
+        return env
+
+    def _decode_failed(self, topic: bytes, error: str) -> None:
+        self._num_decode_failed += 1
+        if not topic.startswith(_EVENT_PREFIX):  # never an event about an event
+            name = topic.decode("ascii", "replace")
+            self._bus._emit(DecodeFailed(self.subscriber_id, name, error))
+
+
+class Subscription(RawSubscription):
+    """Typed messages of matching topics, as `Received(topic, envelope, msg)`."""
+
+    def __init__(
+        self, bus: Bus, prefixes: tuple[str, ...], source: Source, decoder: Decoder
+    ) -> None:
+        super().__init__(bus, prefixes, source)
+        self.decoder = decoder
+
+    async def receive(self) -> Received:  # type: ignore[override]
+        while True:
+            frames = await self._source.get()
+            received = self._decode(frames)
+            if received is not None:
+                return received
+
+    def receive_nowait(self) -> Received:  # type: ignore[override]
+        while True:
+            received = self._decode(self._source.get_nowait())
+            if received is not None:
+                return received
+
+    def _decode(self, frames: Frames) -> Received | None:
+        env = self._check(frames)
+        if env is None:
+            return None
+        try:
+            msg = self.decoder.decode(frames.body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self._decode_failed(frames.topic, str(e))
+            return None
+        self._num_received += 1
+        return Received(frames.topic.decode("ascii"), env, msg)
+
+
+class Bus(abc.ABC):
+    """One actor's connection to the bus."""
+
+    transport = "abstract"
+
+    def __init__(self, publisher_id: str, *, max_queue: int = DEFAULT_MAX_QUEUE) -> None:
+        if not publisher_id or not isinstance(publisher_id, str):
+            raise ValueError("publisher_id must be a non-empty string")
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.publisher_id = publisher_id
+        self.max_queue = max_queue
+        self._seq = 0
+        self._closed = False
+        self._subs: set[RawSubscription] = set()
+        self._num_published = self._num_events = 0
+
+    # -- publishing ---------------------------------------------------------------------
+
+    def stamp(self) -> Envelope:
+        """The next envelope of this publisher (consumes a seq)."""
+        env = Envelope(self.publisher_id, self._seq, time.monotonic_ns(), time.time_ns())
+        self._seq += 1
+        return env
+
+    async def publish(self, msg: Msg) -> None:
+        """Publish a message; waits while a subscriber's queue is full."""
+        topic = topic_bytes(type(msg))
+        await self._wait_room(topic)
+        self._send(encode(msg, self.stamp()))
+        self._num_published += 1
+
+    def publish_nowait(self, msg: Msg) -> None:
+        """Publish without waiting; raises anyio.WouldBlock if a subscriber is full."""
+        if not self._has_room(topic_bytes(type(msg))):
+            raise anyio.WouldBlock
+        self._send(encode(msg, self.stamp()))
+        self._num_published += 1
+
+    async def publish_frames(self, frames: Frames) -> None:
+        """Publish frames already encoded and stamped, as they are: the low-level hook
+        for re-publishing recorded traffic and for injecting faults in tests."""
+        await self._wait_room(frames.topic)
+        self._send(frames)
+        self._num_published += 1
+
+    def _emit(self, event: Msg) -> None:
+        """Publish a bus error event now, ignoring queue bounds (rare, must not block)."""
+        if self._closed:
+            return
+        self._send(encode(event, self.stamp()))
+        self._num_events += 1
+
+    # -- subscribing --------------------------------------------------------------------
+
+    def subscribe(
+        self,
+        *prefixes: str,
+        types: Iterable[type[Msg]] | None = None,
+        max_queue: int | None = None,
+    ) -> Subscription:
+        """Typed subscription. With types and no prefixes, the prefixes are the types'
+        exact topics; with neither, everything. A message whose body does not decode as
+        one of `types` becomes a DecodeFailed event."""
+        types = tuple(types) if types is not None else None
+        if not prefixes:
+            prefixes = tuple(topic_of(t) for t in types) if types else ("",)
+        decoder = Decoder(types)
+        source = self._open(self._check_prefixes(prefixes), max_queue or self.max_queue)
+        sub = Subscription(self, tuple(prefixes), source, decoder)
+        self._subs.add(sub)
+        return sub
+
+    def subscribe_raw(self, *prefixes: str, max_queue: int | None = None) -> RawSubscription:
+        """Undecoded frames (prefix "" or none: everything)."""
+        prefixes = prefixes or ("",)
+        source = self._open(self._check_prefixes(prefixes), max_queue or self.max_queue)
+        sub = RawSubscription(self, tuple(prefixes), source)
+        self._subs.add(sub)
+        return sub
+
+    def _check_prefixes(self, prefixes: Iterable[str]) -> tuple[bytes, ...]:
+        if self._closed:
+            raise anyio.ClosedResourceError(f"bus {self.publisher_id!r} is closed")
+        out = []
+        for p in prefixes:
+            if not isinstance(p, str):
+                raise TypeError(f"topic prefix must be str, got {p!r}")
+            b = p.encode("ascii")
+            if b.startswith(b"\x00"):
+                raise ValueError("topic prefixes starting with NUL are reserved")
+            out.append(b)
+        return tuple(out)
+
+    def _forget(self, sub: RawSubscription) -> None:
+        self._subs.discard(sub)
+
+    # -- request / reply ----------------------------------------------------------------
+
+    async def request(
+        self, msg: Msg, *, reply: type[M], match: Callable[[M], bool], timeout_s: float
+    ) -> M:
+        """Publish `msg` and return the first `reply` message for which `match` is true.
+        Subscribes (and waits for the subscription to connect) before publishing, so the
+        reply cannot be missed. Raises TimeoutError after timeout_s."""
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        with anyio.fail_after(timeout_s):
+            async with self.subscribe(topic_of(reply), types=(reply,)) as sub:
+                await self.publish(msg)
+                async for received in sub:
+                    if match(received.msg):  # type: ignore[arg-type]
+                        return received.msg  # type: ignore[return-value]
+        raise anyio.ClosedResourceError(f"bus {self.publisher_id!r} closed during request")
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def wait_connected(self, timeout_s: float = 10.0) -> None:
+        """Slow-joiner barrier: return once this bus's publisher and every subscription
+        opened so far are connected end to end. Raises TimeoutError."""
+        for sub in list(self._subs):
+            await sub.wait_connected(timeout_s)
+
+    async def aclose(self) -> None:
+        """Close every subscription (their iterators end) and the transport."""
+        if self._closed:
+            return
+        self._closed = True
+        for sub in list(self._subs):
+            await sub.aclose()
+        await self._close_transport()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def statistics(self) -> BusStatistics:
+        return BusStatistics(
+            self.publisher_id, self.transport, self._num_published, self._num_events,
+            len(self._subs), self._closed,
+        )  # fmt: skip
+
+    # -- what a transport provides ------------------------------------------------------
+
+    @abc.abstractmethod
+    def _open(self, prefixes: tuple[bytes, ...], max_queue: int) -> Source: ...
+
+    @abc.abstractmethod
+    def _has_room(self, topic: bytes) -> bool: ...
+
+    @abc.abstractmethod
+    async def _wait_room(self, topic: bytes) -> None:
+        """Return when every subscriber of `topic` can take one more message."""
+
+    @abc.abstractmethod
+    def _send(self, frames: Frames) -> None:
+        """Hand frames to the transport; synchronous and never blocking."""
+
+    @abc.abstractmethod
+    async def _close_transport(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------
+# In-process transport
+
+
+class _Queue(Source):
+    """A bounded deque of frames with one waiting consumer and waiting publishers."""
+
+    def __init__(self, hub: InProcHub, prefixes: tuple[bytes, ...], max_queue: int) -> None:
+        self.hub = hub
+        self.prefixes = prefixes
+        self.max_queue = max_queue
+        self.items: collections.deque[Frames] = collections.deque()
+        self.closed = False
+        self._getter: asyncio.Future[None] | None = None
+        self._putters: list[asyncio.Future[None]] = []
+
+    @property
+    def num_queued(self) -> int:
+        return len(self.items)
+
+    def put(self, frames: Frames) -> None:
+        self.items.append(frames)
+        getter = self._getter
+        if getter is not None and not getter.done():
+            getter.set_result(None)
+
+    def get_nowait(self) -> Frames:
+        if self.items:
+            frames = self.items.popleft()
+            if self._putters:
+                self._wake_putters()
+            return frames
+        if self.closed:
+            raise anyio.ClosedResourceError("subscription is closed")
+        raise anyio.WouldBlock
+
+    async def get(self) -> Frames:
+        while not self.items:
+            if self.closed:
+                raise anyio.ClosedResourceError("subscription is closed")
+            if self._getter is not None:
+                raise anyio.BusyResourceError("receiving")
+            self._getter = asyncio.get_running_loop().create_future()
+            try:
+                await self._getter
+            finally:
+                self._getter = None
+        return self.get_nowait()
+
+    async def wait_room(self) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        self._putters.append(fut)
+        await fut
+
+    def _wake_putters(self) -> None:
+        putters, self._putters = self._putters, []
+        for fut in putters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def wait_connected(self, timeout_s: float) -> None:
+        return None  # routed the moment it was opened
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.items.clear()
+        self.hub._remove(self)
+        self._wake_putters()
+        if self._getter is not None and not self._getter.done():
+            self._getter.set_result(None)
+
+
+class InProcHub:
+    """Routes frames between the buses of one event loop: `hub.connect("scheduler")`."""
+
+    def __init__(self, *, max_queue: int = DEFAULT_MAX_QUEUE) -> None:
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.max_queue = max_queue
+        self._queues: list[_Queue] = []
+        self._routes: dict[bytes, tuple[_Queue, ...]] = {}
+        self._buses: dict[str, InProcBus] = {}
+
+    def connect(self, publisher_id: str, *, max_queue: int | None = None) -> InProcBus:
+        old = self._buses.get(publisher_id)
+        if old is not None and not old._closed:
+            raise ValueError(f"publisher id {publisher_id!r} is already connected")
+        bus = InProcBus(self, publisher_id, max_queue=max_queue or self.max_queue)
+        self._buses[publisher_id] = bus
+        return bus
+
+    def route(self, topic: bytes) -> tuple[_Queue, ...]:
+        """The queues subscribed to a topic (cached until a subscription changes)."""
+        queues = self._routes.get(topic)
+        if queues is None:
+            queues = tuple(q for q in self._queues if topic.startswith(q.prefixes))
+            self._routes[topic] = queues
+        return queues
+
+    def _add(self, queue: _Queue) -> None:
+        self._queues.append(queue)
+        self._routes.clear()
+
+    def _remove(self, queue: _Queue) -> None:
+        if queue in self._queues:
+            self._queues.remove(queue)
+            self._routes.clear()
+
+
+class InProcBus(Bus):
+    transport = "inproc"
+
+    def __init__(self, hub: InProcHub, publisher_id: str, *, max_queue: int) -> None:
+        super().__init__(publisher_id, max_queue=max_queue)
+        self.hub = hub
+
+    async def publish(self, msg: Msg) -> None:
+        # The common case inlined (no room to wait for): this is the hot path.
+        if self._closed:
+            raise anyio.ClosedResourceError(f"bus {self.publisher_id!r} is closed")
+        topic = topic_bytes(type(msg))
+        queues = self.hub.route(topic)
+        for q in queues:
+            if len(q.items) >= q.max_queue:
+                await self._wait_room(topic)
+                queues = self.hub.route(topic)
+                break
+        frames = encode(msg, self.stamp())
+        for q in queues:
+            q.put(frames)
+        self._num_published += 1
+
+    def _open(self, prefixes: tuple[bytes, ...], max_queue: int) -> Source:
+        queue = _Queue(self.hub, prefixes, max_queue)
+        self.hub._add(queue)
+        return queue
+
+    def _has_room(self, topic: bytes) -> bool:
+        return all(len(q.items) < q.max_queue for q in self.hub.route(topic))
+
+    async def _wait_room(self, topic: bytes) -> None:
+        while True:
+            if self._closed:
+                raise anyio.ClosedResourceError(f"bus {self.publisher_id!r} is closed")
+            full = [q for q in self.hub.route(topic) if len(q.items) >= q.max_queue]
+            if not full:
+                return
+            await full[0].wait_room()
+
+    def _send(self, frames: Frames) -> None:
+        if self._closed:
+            raise anyio.ClosedResourceError(f"bus {self.publisher_id!r} is closed")
+        for q in self.hub.route(frames.topic):
+            q.put(frames)
+
+    async def _close_transport(self) -> None:
+        return None
+
+
+__all__ = [
+    "DEFAULT_MAX_QUEUE",
+    "Bus",
+    "BusStatistics",
+    "InProcBus",
+    "InProcHub",
+    "RawSubscription",
+    "Received",
+    "Source",
+    "Subscription",
+    "SubscriptionStatistics",
+]

@@ -56,11 +56,20 @@ from shunter.bus.messages.sched import (
     TokensOut,
 )
 from shunter.bus.messages.spill import LoadPages, PagesLoaded, PagesSpilled, SpillPages
-from shunter.bus.messages.tokenizer import TextDelta, TextDeltas, Tokenized, TopLogprob
+from shunter.bus.messages.tokenizer import (
+    DetokenizeQuery,
+    DetokenizeReply,
+    TextDelta,
+    TextDeltas,
+    Tokenized,
+    TokenizeQuery,
+    TokenizeReply,
+    TopLogprob,
+)
 
 ALL_MESSAGES: tuple[type[Msg], ...] = (
     GenerateRequest, AbortRequest, RequestFailed,
-    Tokenized, TextDeltas,
+    Tokenized, TextDeltas, TokenizeQuery, TokenizeReply, DetokenizeQuery, DetokenizeReply,
     Matched, RefreshMatch, LeaseRequest, LeaseGranted, LeaseReturned, ChunkCached,
     SequenceReleased, SchedulerCensus, Census, CensusBroken, FreeRefused, DropTree,
     TreeDropped, BlockStored, BlockRemoved, AllBlocksCleared,
@@ -79,12 +88,13 @@ assert len(TOPICS) == len(ALL_MESSAGES), "two messages share a tag"
 __all__ = [
     "ALL_MESSAGES", "LAST_SAMPLED", "TOPICS", "AbortRequest", "ActorDied", "AdmissionPaused",
     "AllBlocksCleared", "AnyMessage", "BlockRemoved", "BlockStored", "BusGap", "Census",
-    "CensusBroken", "ChatMessage", "ChunkCached", "DecodeFailed", "DropTree", "Envelope",
+    "CensusBroken", "ChatMessage", "ChunkCached", "DecodeFailed", "DetokenizeQuery",
+    "DetokenizeReply", "DropTree", "Envelope",
     "FinishReason", "FlipBegin", "FlipCutover", "FlipDone", "ForwardBatch", "FreeRefused",
     "GenerateRequest", "HealthPing", "HealthPong", "Heartbeat", "LeaseGranted",
     "LeaseRequest", "LeaseReturned", "LoadPages", "Matched", "Msg", "PagesLoaded",
     "PagesSpilled", "Ready", "RefreshMatch", "RequestFailed", "RequestOutput", "RowOpen",
     "SamplingParams", "SchedulerCensus", "SchedulerStats", "SequenceReleased", "Shutdown",
-    "SpillPages", "StepResult", "TextDelta", "TextDeltas", "Tick", "Tokenized", "TokensOut",
-    "TopLogprob", "TreeDropped", "topic_of",
+    "SpillPages", "StepResult", "TextDelta", "TextDeltas", "Tick", "TokenizeQuery", "TokenizeReply",
+    "Tokenized", "TokensOut", "TopLogprob", "TreeDropped", "topic_of",
 ]  # fmt: skip

@@ -54,6 +54,9 @@ class GenerateRequest(Msg, tag="req.generate"):
     extra_key: str = ""  # cache namespace: LoRA id / cache salt; prefixes never cross it
     arrival_ns: int = 0  # gateway's monotonic clock at arrival
     add_generation_prompt: bool = True  # chat only
+    # True: a prompt too long for prompt + max_new_tokens shortens max_new_tokens to fit
+    # (the OpenAI API with max_tokens unset); False: such a request fails (400).
+    clamp_max_new_tokens: bool = False
 
 
 class AbortRequest(Msg, tag="req.abort"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from shunter.bus.messages.base import Msg
-from shunter.bus.messages.request import SamplingParams
+from shunter.bus.messages.request import ChatMessage, SamplingParams
 
 
 class Tokenized(Msg, tag="tok.tokenized"):
@@ -40,6 +40,9 @@ class TextDelta(msgspec.Struct, frozen=True, array_like=True, gc=False):
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0
+    token_texts: list[str] = []  # text of each token in token_ids, when logprobs are asked for
+    prompt_token_ids: list[int] = []  # first delta only, when logprob_start_len >= 0
+    prompt_token_texts: list[str] = []  # text of each of prompt_token_ids
 
 
 class TextDeltas(Msg, tag="tok.deltas"):
@@ -47,3 +50,35 @@ class TextDeltas(Msg, tag="tok.deltas"):
     constant rather than per request."""
 
     deltas: list[TextDelta]
+
+
+class TokenizeQuery(Msg, tag="tok.query.encode"):
+    """Gateway to tokenizer (/v1/tokenize): text, or a conversation through the chat
+    template, to ids. Answered by TokenizeReply with the same query_id."""
+
+    query_id: str
+    text: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True  # messages only
+
+
+class TokenizeReply(Msg, tag="tok.reply.encode"):
+    query_id: str
+    tokens: list[int] = []
+    max_model_len: int = 0
+    error: str = ""  # non-empty: the query was invalid, and this says why
+
+
+class DetokenizeQuery(Msg, tag="tok.query.decode"):
+    """Gateway to tokenizer (/v1/detokenize, echo of id prompts): ids to text."""
+
+    query_id: str
+    tokens: list[int]
+    skip_special_tokens: bool = False
+
+
+class DetokenizeReply(Msg, tag="tok.reply.decode"):
+    query_id: str
+    text: str = ""
+    error: str = ""

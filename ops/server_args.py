@@ -1,0 +1,395 @@
+"""Server arguments: every `shunter serve` option, its aliases, the config file, validation.
+
+Theory of operation
+    One table (`OPTIONS`) declares each option once: its field in `ServerArgs`, every
+    command-line spelling (SGLang's names first, then their aliases, all declared
+    explicitly: the parser is built with allow_abbrev=False, so no prefix guessing), its
+    --help group, and its help text. argparse records only the options the user typed
+    (every default is SUPPRESS); the values then merge as
+
+        ServerArgs defaults  <  --config file  <  command line
+
+    and `ServerArgs.__post_init__` validates the result with ValueError messages that
+    name the flag as the user spells it.
+
+Invariants
+    - A `ServerArgs` that exists is valid: ranges hold, choices are known, and sizes the
+      engine cannot honour (tp/dp/pp above 1) were refused, not ignored.
+    - Checks that touch the file system (model path, tokenizer path, config file,
+      chat template file) live in `check_paths()`, so constructing ServerArgs in a test
+      or from a recorded log needs no files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+SCHEDULE_POLICIES = ("fcfs", "lpm", "priority", "lof", "random")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DEVICES = ("auto", "cpu", "cuda")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_FORMATS = ("auto", "console", "json")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+
+
+class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Everything `shunter serve` can be told. Field names are SGLang's."""
+
+    # model
+    model_path: str | None = None
+    """A local HF directory or .gguf file; None (or "smollm2") is the default model."""
+    tokenizer_path: str | None = None
+    """Defaults to the model path."""
+    load_format: str = "auto"
+    dtype: str = "auto"
+    """auto: bfloat16 on CUDA, float32 on the CPU."""
+    device: str = "auto"
+    context_length: int | None = None
+    """None: the model's own maximum."""
+    served_model_name: str | None = None
+    chat_template: str | None = None
+    """A file path, or the template text itself."""
+    random_seed: int | None = None
+    """Seed of the per-request seeds drawn at the gateway; None draws one at start."""
+
+    # server
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    enable_metrics: bool = False
+
+    # scheduling
+    schedule_policy: str = "fcfs"
+    max_running_requests: int | None = None
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int | None = None
+    """None: chosen by the engine; -1 turns chunking off."""
+    disable_radix_cache: bool = False
+    disable_overlap_schedule: bool = False
+    stream_interval: int = 1
+
+    # memory
+    max_total_tokens: int | None = None
+    mem_fraction_static: float | None = None
+    page_size: int = 1
+    cuda_graph_max_bs: int | None = None
+    disable_cuda_graph: bool = False
+    attention_backend: str = "auto"
+
+    # parallelism
+    tp_size: int = 1
+    dp_size: int = 1
+    pp_size: int = 1
+
+    # logging
+    log_level: str = "info"
+    log_format: str = "auto"
+    """auto: console lines on a terminal, JSON lines otherwise."""
+    record_events: str | None = None
+    """A directory: the bus recorder writes every message there."""
+
+    # deployment
+    multi_process: bool = False
+    shutdown_timeout: float = 30.0
+    """Seconds SIGTERM waits for in-flight requests before stopping anyway."""
+    watchdog_timeout: float = 300.0
+    """Seconds an actor may miss heartbeats (or a start may take) before it is dead."""
+    heartbeat_interval: float = 1.0
+
+    def __post_init__(self) -> None:
+        for message in _problems(self):
+            raise ValueError(message)
+
+    @property
+    def effective_tokenizer_path(self) -> str | None:
+        return self.tokenizer_path if self.tokenizer_path is not None else self.model_path
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.structs.asdict(self)
+
+
+# (field, flags, group, help). Types, choices and defaults come from ServerArgs itself.
+OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
+    ("model_path", ("--model-path", "--model"), "model",
+     "local HF directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)"),
+    ("tokenizer_path", ("--tokenizer-path",), "model", "tokenizer location (default: the model path)"),
+    ("load_format", ("--load-format",), "model", "weight format; dummy = random weights"),
+    ("dtype", ("--dtype",), "model", "weight and activation dtype"),
+    ("device", ("--device",), "model", "where the model runs"),
+    ("context_length", ("--context-length",), "model", "maximum tokens per sequence"),
+    ("served_model_name", ("--served-model-name",), "model", "model name the API reports"),
+    ("chat_template", ("--chat-template",), "model", "chat template file or inline template"),
+    ("random_seed", ("--random-seed",), "model", "seed for request seeds"),
+    ("host", ("--host",), "server", "address to listen on"),
+    ("port", ("--port",), "server", "HTTP port"),
+    ("api_key", ("--api-key",), "server", "bearer key required on every endpoint"),
+    ("admin_api_key", ("--admin-api-key",), "server", "bearer key for admin endpoints"),
+    ("enable_metrics", ("--enable-metrics",), "server", "serve Prometheus text at /metrics"),
+    ("schedule_policy", ("--schedule-policy",), "scheduling", "waiting-queue order"),
+    ("max_running_requests", ("--max-running-requests",), "scheduling",
+     "most requests decoding at once (default: from the KV pool size)"),
+    ("max_prefill_tokens", ("--max-prefill-tokens", "--max-prefill-num-token"), "scheduling",
+     "token budget of one prefill batch (its first request is always admitted)"),
+    ("chunked_prefill_size", ("--chunked-prefill-size",), "scheduling",
+     "longest prefill chunk; -1 disables chunking"),
+    ("disable_radix_cache", ("--disable-radix-cache",), "scheduling", "no prefix sharing"),
+    ("disable_overlap_schedule", ("--disable-overlap-schedule",), "scheduling",
+     "plan a step only after the previous one finished"),
+    ("stream_interval", ("--stream-interval",), "scheduling", "tokens per streamed chunk"),
+    ("max_total_tokens", ("--max-total-tokens",), "memory", "KV pool size in tokens"),
+    ("mem_fraction_static", ("--mem-fraction-static",), "memory",
+     "fraction of device memory for weights and KV pool"),
+    ("page_size", ("--page-size",), "memory", "tokens per KV page"),
+    ("cuda_graph_max_bs", ("--cuda-graph-max-bs",), "memory", "largest CUDA-graph batch"),
+    ("disable_cuda_graph", ("--disable-cuda-graph",), "memory", "run decode without CUDA graphs"),
+    ("attention_backend", ("--attention-backend",), "memory", "attention kernels"),
+    ("tp_size", ("--tp-size", "--tensor-parallel-size", "--tp"), "parallelism",
+     "tensor parallel size"),
+    ("dp_size", ("--dp-size", "--data-parallel-size", "--dp"), "parallelism",
+     "data parallel size"),
+    ("pp_size", ("--pp-size", "--pipeline-parallel-size", "--pp"), "parallelism",
+     "pipeline parallel size"),
+    ("log_level", ("--log-level",), "logging", "least severe level logged"),
+    ("log_format", ("--log-format",), "logging", "console lines or JSON lines"),
+    ("record_events", ("--record-events",), "logging",
+     "record every bus message into this directory (replay with busctl)"),
+    ("multi_process", ("--multi-process",), "deployment",
+     "one process per actor over a ZMQ broker (default: all actors in one event loop)"),
+    ("shutdown_timeout", ("--shutdown-timeout",), "deployment",
+     "seconds SIGTERM waits for in-flight requests"),
+    ("watchdog_timeout", ("--watchdog-timeout",), "deployment",
+     "seconds without a heartbeat (or to start) before an actor counts as dead"),
+    ("heartbeat_interval", ("--heartbeat-interval",), "deployment",
+     "seconds between actor heartbeats"),
+)  # fmt: skip
+
+GROUPS = ("model", "server", "scheduling", "memory", "parallelism", "logging", "deployment")
+FIELDS: frozenset[str] = frozenset(ServerArgs.__struct_fields__)
+# field -> the spelling used in error messages (the primary flag)
+FLAG_OF: dict[str, str] = {field: flags[0] for field, flags, _, _ in OPTIONS}
+FLAG_OF["config"] = "--config"
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "schedule_policy": SCHEDULE_POLICIES, "dtype": DTYPES, "load_format": LOAD_FORMATS,
+    "device": DEVICES, "log_level": LOG_LEVELS, "log_format": LOG_FORMATS,
+    "attention_backend": ATTENTION_BACKENDS,
+}  # fmt: skip
+_PARALLEL_NAMES = {"tp_size": "tensor", "dp_size": "data", "pp_size": "pipeline"}
+assert {f for f, *_ in OPTIONS} == FIELDS, "every ServerArgs field needs exactly one OPTIONS row"
+
+
+def _problems(a: ServerArgs) -> list[str]:
+    """Every range/choice violation, as messages naming the flag."""
+    out: list[str] = []
+
+    def flag(field: str) -> str:
+        return f"{FLAG_OF[field]} {getattr(a, field)!r}".replace("'", "")
+
+    for field, choices in _CHOICES.items():
+        if getattr(a, field) not in choices:
+            out.append(f"{flag(field)}: must be one of {', '.join(choices)}")
+    for field, kind in _PARALLEL_NAMES.items():
+        size = getattr(a, field)
+        if size < 1:
+            out.append(f"{flag(field)}: must be >= 1")
+        elif size != 1:
+            out.append(f"{flag(field)}: {kind} parallelism is not supported yet (only 1)")
+    if not 1 <= a.port <= 65535:
+        out.append(f"{flag('port')}: must be a TCP port in 1..65535")
+    if not a.host:
+        out.append("--host: must not be empty")
+    at_least_one = ("max_running_requests", "max_prefill_tokens", "max_total_tokens",
+                    "context_length", "page_size", "stream_interval", "cuda_graph_max_bs")  # fmt: skip
+    for field in at_least_one:
+        value = getattr(a, field)
+        if value is not None and value < 1:
+            out.append(f"{flag(field)}: must be >= 1")
+    if a.chunked_prefill_size is not None and (
+        a.chunked_prefill_size == 0 or a.chunked_prefill_size < -1
+    ):
+        out.append(f"{flag('chunked_prefill_size')}: must be >= 1, or -1 to disable chunking")
+    if a.mem_fraction_static is not None and not 0.0 < a.mem_fraction_static <= 1.0:
+        out.append(f"{flag('mem_fraction_static')}: must be in (0, 1]")
+    if a.random_seed is not None and not 0 <= a.random_seed < 2**63:
+        out.append(f"{flag('random_seed')}: must be in [0, 2**63)")
+    if a.shutdown_timeout < 0:
+        out.append(f"{flag('shutdown_timeout')}: must be >= 0 seconds")
+    for field in ("watchdog_timeout", "heartbeat_interval"):
+        if not getattr(a, field) > 0:
+            out.append(f"{flag(field)}: must be > 0 seconds")
+    if a.heartbeat_interval > 0 and a.watchdog_timeout <= 2 * a.heartbeat_interval:
+        out.append(
+            f"{flag('watchdog_timeout')}: must exceed twice --heartbeat-interval "
+            f"({a.heartbeat_interval:g} s), or one late beat would count as a death"
+        )
+    for field in ("api_key", "admin_api_key", "served_model_name"):
+        if getattr(a, field) == "":
+            out.append(f"{FLAG_OF[field]}: must not be empty")
+    return out
+
+
+def check_paths(a: ServerArgs) -> None:
+    """File-system checks, with messages naming the flag. Raises ValueError."""
+    from shunter.actors.model_files import ModelNotFound, resolve_model
+
+    try:
+        source = resolve_model(a.model_path)
+    except ModelNotFound as e:
+        raise ValueError(f"--model-path: {e}") from None
+    if a.load_format == "gguf" and source.kind != "gguf":
+        raise ValueError(f"--load-format gguf: {source.path} is not a .gguf file")
+    if a.load_format == "safetensors" and source.kind != "hf_dir":
+        raise ValueError(
+            f"--load-format safetensors: {source.path} is not a directory with config.json"
+        )
+    if a.tokenizer_path is not None and not pathlib.Path(a.tokenizer_path).expanduser().exists():
+        raise ValueError(f"--tokenizer-path: {a.tokenizer_path} does not exist")
+    template = a.chat_template
+    if (template is not None and _looks_like_path(template)
+            and not pathlib.Path(template).expanduser().is_file()):  # fmt: skip
+        raise ValueError(
+            f"--chat-template: {template} is not a file (an inline template "
+            "must contain '{{' or '{%')"
+        )
+    if a.record_events is not None:
+        p = pathlib.Path(a.record_events).expanduser()
+        if p.exists() and not p.is_dir():
+            raise ValueError(f"--record-events: {p} exists and is not a directory")
+        if not p.exists() and not p.parent.is_dir():
+            raise ValueError(f"--record-events: {p.parent} does not exist")
+
+
+def _looks_like_path(template: str) -> bool:
+    return "{{" not in template and "{%" not in template
+
+
+# ---- argparse -----------------------------------------------------------------------
+
+
+def _field_type(field: str) -> tuple[type, bool]:
+    """(scalar type, is_flag) of a ServerArgs field, from its annotation."""
+    default = ServerArgs.__struct_defaults__[ServerArgs.__struct_fields__.index(field)]
+    if isinstance(default, bool):
+        return bool, True
+    annotation = str(ServerArgs.__annotations__[field])
+    for name, t in (("int", int), ("float", float), ("str", str)):
+        if annotation.startswith(name):
+            return t, False
+    raise AssertionError(f"no scalar type for {field}: {annotation}")
+
+
+def _default_text(field: str) -> str:
+    default = ServerArgs.__struct_defaults__[ServerArgs.__struct_fields__.index(field)]
+    return "" if default is None or isinstance(default, bool) else f" (default: {default})"
+
+
+_METAVARS = {
+    "model_path": "PATH", "tokenizer_path": "PATH", "chat_template": "TEMPLATE",
+    "record_events": "DIR", "host": "HOST", "api_key": "KEY", "admin_api_key": "KEY",
+    "served_model_name": "NAME", "mem_fraction_static": "FRACTION",
+}  # fmt: skip
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every option, grouped for --help. Defaults are SUPPRESSed so that the parsed
+    namespace holds only what the user typed (the config file fills the rest)."""
+    groups = {name: parser.add_argument_group(name) for name in GROUPS}
+    groups["deployment"].add_argument(
+        "--config", metavar="FILE", default=argparse.SUPPRESS,
+        help="YAML file of options (long names as keys, - or _); the command line overrides it",
+    )  # fmt: skip
+    for field, flags, group, help_ in OPTIONS:
+        kind, is_flag = _field_type(field)
+        kw: dict[str, Any] = {"dest": field, "default": argparse.SUPPRESS}
+        if is_flag:
+            kw.update(action="store_true", help=help_)
+        else:
+            kw.update(type=kind, help=help_ + _default_text(field))
+            if field in _CHOICES:
+                kw["choices"] = _CHOICES[field]
+            else:
+                kw["metavar"] = (
+                    _METAVARS.get(field) or {int: "N", float: "SECONDS", str: "STR"}[kind]
+                )
+        groups[group].add_argument(*flags, **kw)
+
+
+def build_parser(prog: str = "shunter serve") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
+    add_server_arguments(parser)
+    return parser
+
+
+# ---- config file and merging --------------------------------------------------------
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Read a YAML (or JSON) options file into {field: value}. Keys are long option
+    names with - or _ ("max-prefill-tokens", "max_prefill_tokens", aliases too)."""
+    import yaml
+
+    p = pathlib.Path(path).expanduser()
+    if not p.is_file():
+        raise ValueError(f"--config: {path} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config: {path} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ValueError(f"--config: {path} must hold a mapping of option: value")
+    alias_to_field = {
+        flag[2:].replace("-", "_"): field for field, flags, _, _ in OPTIONS for flag in flags
+    }
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        field = alias_to_field.get(str(key).lstrip("-").replace("-", "_"))
+        if field is None:
+            raise ValueError(f"--config: {path}: unknown option {key!r}")
+        if field in out:
+            raise ValueError(f"--config: {path}: {key!r} repeats {FLAG_OF[field]}")
+        out[field] = value
+    return out
+
+
+def server_args_from(cli: Mapping[str, Any], config_file: str | None = None) -> ServerArgs:
+    """Merge ServerArgs defaults < config file < command line, then validate."""
+    merged: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    if config_file is not None:
+        merged.update(load_config_file(config_file))
+        source.update(dict.fromkeys(merged, f"--config {config_file}"))
+    for key, value in cli.items():
+        if key in FIELDS:
+            merged[key] = value
+            source[key] = "command line"
+    try:
+        return msgspec.convert(merged, ServerArgs, strict=False)
+    except msgspec.ValidationError as e:
+        # msgspec names the offending field as `$.field`; say which flag and source.
+        text = str(e)
+        for field in merged:
+            if f"`$.{field}`" in text:
+                raise ValueError(
+                    f"{FLAG_OF[field]} {merged[field]!r} (from {source[field]}): "
+                    f"{text.split(' - at ')[0]}"
+                ) from None
+        raise ValueError(text) from None
+
+
+def parse_server_args(argv: Sequence[str]) -> ServerArgs:
+    """argv -> validated ServerArgs (config file included). Raises ValueError; argparse
+    itself exits with status 2 on unknown options or malformed values."""
+    ns = build_parser().parse_args(list(argv))
+    return server_args_from(vars(ns), getattr(ns, "config", None))
+
+
+def namespace_to_server_args(ns: argparse.Namespace) -> ServerArgs:
+    return server_args_from(vars(ns), getattr(ns, "config", None))

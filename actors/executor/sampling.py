@@ -1,0 +1,295 @@
+"""Token sampling for one step: penalties, bias, temperature, truncation, seeded draws.
+
+Theory of operation
+-------------------
+`sample(logits, rows)` turns the model's logits of the rows that sample this step
+(one row of logits each) into one token per row, vectorized over rows. The pipeline,
+in order, each stage touching only the rows whose parameters ask for it:
+
+1. repetition penalty (HF semantics): for every token seen in the prompt or output,
+   a positive logit is divided by the penalty and a negative one multiplied by it;
+2. frequency and presence penalties (OpenAI semantics, over output tokens only):
+   `logit -= frequency_penalty * count + presence_penalty * (count > 0)`;
+3. logit_bias is added;
+4. min_new_tokens: eos and the stop token ids get -inf until that many tokens exist;
+5. temperature 0 rows take the argmax of the processed logits (greedy); the other rows
+   divide by their temperature and take a softmax;
+6. truncation, every mask computed from the same (untruncated) probabilities, as SGLang
+   does: top-k keeps tokens whose probability is >= the k-th largest (ties kept),
+   top-p keeps the smallest most-likely set whose mass reaches top_p, min-p keeps
+   tokens with probability >= min_p * max probability;
+7. one uniform draw per row from the row's own torch.Generator picks the token by
+   inverse CDF over the kept probabilities.
+
+Reproducibility: a row's draw comes from its own generator (seeded from RowOpen.seed)
+and each row follows a path fixed by its own parameters (rows with top_p < 1 go
+through a sorted path, the others stay in vocabulary order), so a seeded request gives
+the same tokens whatever else shares its batch.
+
+Logprobs are those of the model's RAW distribution: log_softmax of the logits before
+penalties, bias, masks, temperature and truncation (vLLM's default "raw logprobs").
+So a token's logprob does not depend on the sampling settings, and prompt logprobs
+and output logprobs are on the same scale. (SGLang reports the processed one.)
+
+Invariants
+----------
+- `RowSampling` is the only mutable state; `sample` mutates nothing but the generators.
+- A greedy row never consumes a random draw.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from shunter.bus.messages.request import SamplingParams
+
+# Temperatures at or below this are greedy (a division by ~0 would overflow anyway).
+GREEDY_TEMPERATURE = 1e-5
+
+
+def validate_params(params: SamplingParams, vocab_size: int) -> str | None:
+    """Why these parameters cannot be sampled with, or None if they can."""
+    p = params
+    if not (p.temperature >= 0.0 and math.isfinite(p.temperature)):
+        return f"temperature must be a finite number >= 0, got {p.temperature}"
+    if not (0.0 < p.top_p <= 1.0):
+        return f"top_p must be in (0, 1], got {p.top_p}"
+    if not (0.0 <= p.min_p <= 1.0):
+        return f"min_p must be in [0, 1], got {p.min_p}"
+    if not (p.repetition_penalty > 0.0 and math.isfinite(p.repetition_penalty)):
+        return f"repetition_penalty must be a finite number > 0, got {p.repetition_penalty}"
+    for name in ("frequency_penalty", "presence_penalty"):
+        if not math.isfinite(getattr(p, name)):
+            return f"{name} must be finite, got {getattr(p, name)}"
+    if p.min_new_tokens < 0:
+        return f"min_new_tokens must be >= 0, got {p.min_new_tokens}"
+    if p.top_logprobs_num < 0:
+        return f"top_logprobs_num must be >= 0, got {p.top_logprobs_num}"
+    bad = [t for t in p.logit_bias if not 0 <= t < vocab_size]
+    if bad:
+        return f"logit_bias names token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+    bad = [t for t in p.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        return f"stop_token_ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+    if any(not math.isfinite(b) and b != -math.inf for b in p.logit_bias.values()):
+        return "logit_bias values must be finite (or -inf to ban a token)"
+    return None
+
+
+class RowSampling:
+    """One row's sampling state: parameters, generator and the token statistics that
+    penalties need. Fed by the core: `observe_prompt` for tokens the row computes
+    before its first sample (and cached prefix tokens), `observe_output` per sample."""
+
+    __slots__ = (
+        "generator",
+        "greedy",
+        "masked_ids",
+        "num_output_tokens",
+        "output_counts",
+        "params",
+        "seen",
+        "wants_logprobs",
+    )
+
+    def __init__(self, params: SamplingParams, seed: int, eos_token_ids: Sequence[int] = ()):
+        self.params = params
+        self.greedy = params.temperature <= GREEDY_TEMPERATURE
+        self.generator: torch.Generator | None = None
+        if not self.greedy:
+            self.generator = torch.Generator().manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+        self.seen: set[int] = set()  # prompt + output ids (repetition penalty)
+        self.output_counts: dict[int, int] = {}  # output id -> occurrences
+        self.num_output_tokens = 0
+        # Ids that min_new_tokens keeps out until enough tokens exist.
+        self.masked_ids = sorted({*eos_token_ids, *params.stop_token_ids})
+        self.wants_logprobs = params.return_logprob or params.top_logprobs_num > 0
+
+    def observe_prompt(self, token_ids: Sequence[int]) -> None:
+        if self.params.repetition_penalty != 1.0:
+            self.seen.update(token_ids)
+
+    def observe_output(self, token_id: int) -> None:
+        self.num_output_tokens += 1
+        if self.params.repetition_penalty != 1.0:
+            self.seen.add(token_id)
+        if self.params.frequency_penalty != 0.0 or self.params.presence_penalty != 0.0:
+            self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
+
+
+class SampleOutput(NamedTuple):
+    token_ids: list[int]  # one per row
+    logprobs: list[float]  # raw logprob per row (NaN for rows that did not ask); [] if none asked
+    top_logprobs: list[list[tuple[int, float]]]  # per row, [] for rows that did not ask
+
+
+def apply_penalties(x: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
+    """Stages 1-4 of the pipeline on x: [B, V] float32, IN PLACE (pass a copy of the
+    model's logits); returns x."""
+    rep_r, rep_t, rep_p = [], [], []
+    fp_r, fp_t, fp_v = [], [], []
+    bias_r, bias_t, bias_v = [], [], []
+    mask_r, mask_t = [], []
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.repetition_penalty != 1.0 and row.seen:
+            rep_r += [i] * len(row.seen)
+            rep_t += row.seen
+            rep_p += [p.repetition_penalty] * len(row.seen)
+        if row.output_counts:
+            fp_r += [i] * len(row.output_counts)
+            fp_t += row.output_counts.keys()
+            fp_v += [
+                p.frequency_penalty * c + p.presence_penalty for c in row.output_counts.values()
+            ]
+        if p.logit_bias:
+            bias_r += [i] * len(p.logit_bias)
+            bias_t += p.logit_bias.keys()
+            bias_v += p.logit_bias.values()
+        if row.num_output_tokens < p.min_new_tokens and row.masked_ids:
+            mask_r += [i] * len(row.masked_ids)
+            mask_t += row.masked_ids
+    if rep_r:
+        r, t = torch.tensor(rep_r), torch.tensor(rep_t)
+        pen = torch.tensor(rep_p, dtype=x.dtype)
+        v = x[r, t]  # [N]
+        x[r, t] = torch.where(v > 0, v / pen, v * pen)
+    if fp_r:
+        x.index_put_(
+            (torch.tensor(fp_r), torch.tensor(fp_t)),
+            -torch.tensor(fp_v, dtype=x.dtype),
+            accumulate=True,
+        )
+    if bias_r:
+        x.index_put_(
+            (torch.tensor(bias_r), torch.tensor(bias_t)),
+            torch.tensor(bias_v, dtype=x.dtype),
+            accumulate=True,
+        )
+    if mask_r:
+        x[torch.tensor(mask_r), torch.tensor(mask_t)] = -math.inf
+    return x
+
+
+def _needs_processing(row: RowSampling) -> bool:
+    p = row.params
+    return bool(
+        (p.repetition_penalty != 1.0 and row.seen)
+        or row.output_counts
+        or p.logit_bias
+        or (row.num_output_tokens < p.min_new_tokens and row.masked_ids)
+    )
+
+
+def truncate_probs(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Zero the probabilities outside top-k / top-p / min-p, each mask from `probs`.
+
+    probs: [B, V] float32, each row sorted descending when top_p is given (the sorted
+    path), in vocabulary order otherwise. top_k: [B] int64 (V for off). top_p: [B] or
+    None. min_p: [B]. Returns a new [B, V] tensor."""
+    num_vocab = probs.shape[-1]
+    keep_all_k = bool((top_k >= num_vocab).all())
+    out = probs
+    if not keep_all_k:
+        k_idx = (top_k.clamp(1, num_vocab) - 1).unsqueeze(1)  # [B, 1]
+        if top_p is not None:
+            kth = probs.gather(1, k_idx)  # sorted: the k-th largest is at k-1
+        else:
+            # Only rows with a real limit pay for topk, and only up to their largest k.
+            limited = (top_k < num_vocab).nonzero().squeeze(1)  # [L]
+            kmax = int(top_k[limited].max())
+            kth = torch.zeros(probs.shape[0], 1, dtype=probs.dtype)  # 0: keeps everything
+            kth[limited] = probs[limited].topk(kmax, dim=-1).values.gather(1, k_idx[limited])
+        out = out.masked_fill(probs < kth, 0.0)
+    if top_p is not None:
+        before = probs.cumsum(-1) - probs  # [B, V] mass strictly before each token
+        out = out.masked_fill(before > top_p.unsqueeze(1), 0.0)
+    if bool((min_p > 0).any()):
+        top = probs[:, :1] if top_p is not None else probs.amax(-1, keepdim=True)
+        out = out.masked_fill(probs < top * min_p.unsqueeze(1), 0.0)
+    return out
+
+
+def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: probs [B, V] (unnormalized, >= 0), uniforms [B] in [0, 1) ->
+    [B] int64 column index. A zero-probability column is never chosen."""
+    cdf = probs.cumsum(-1)  # [B, V]
+    target = (uniforms * cdf[:, -1]).unsqueeze(1)  # [B, 1]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return idx.clamp_max(probs.shape[-1] - 1)
+
+
+def _sample_group(x: torch.Tensor, rows: Sequence[RowSampling], sorted_path: bool) -> torch.Tensor:
+    """x: [G, V] processed logits of non-greedy rows -> [G] int64 token ids."""
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=x.dtype)
+    probs = torch.softmax(x / temps.unsqueeze(1), dim=-1)  # [G, V]
+    num_vocab = x.shape[-1]
+    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else num_vocab for r in rows])
+    min_p = torch.tensor([r.params.min_p for r in rows], dtype=x.dtype)
+    uniforms = torch.cat([torch.rand(1, generator=r.generator) for r in rows])  # [G]
+    if sorted_path:
+        probs, order = probs.sort(dim=-1, descending=True)
+        top_p = torch.tensor([r.params.top_p for r in rows], dtype=x.dtype)
+        kept = truncate_probs(probs, top_k, top_p, min_p)
+        return order.gather(1, _draw(kept, uniforms).unsqueeze(1)).squeeze(1)
+    kept = truncate_probs(probs, top_k, None, min_p)
+    return _draw(kept, uniforms)
+
+
+def sample(logits: torch.Tensor, rows: Sequence[RowSampling]) -> SampleOutput:
+    """logits: [B, V] float32, one row per entry of `rows`. Does not modify `logits`."""
+    assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
+    x = logits
+    if any(_needs_processing(r) for r in rows):
+        x = apply_penalties(logits.clone(), rows)
+
+    greedy = [i for i, r in enumerate(rows) if r.greedy]
+    if len(greedy) == len(rows):
+        tokens = x.argmax(dim=-1)  # [B]
+    else:
+        tokens = torch.empty(len(rows), dtype=torch.int64)
+        if greedy:
+            g = torch.tensor(greedy)
+            tokens[g] = x[g].argmax(dim=-1)
+        for sorted_path in (False, True):
+            idx = [
+                i
+                for i, r in enumerate(rows)
+                if not r.greedy and (r.params.top_p < 1.0) == sorted_path
+            ]
+            if idx:
+                t = torch.tensor(idx)
+                tokens[t] = _sample_group(x[t], [rows[i] for i in idx], sorted_path)
+
+    token_ids: list[int] = tokens.tolist()
+    logprobs: list[float] = []
+    top_logprobs: list[list[tuple[int, float]]] = []
+    asked = [i for i, r in enumerate(rows) if r.wants_logprobs]
+    if asked:
+        a = torch.tensor(asked)
+        lp = torch.log_softmax(logits[a], dim=-1)  # [A, V] raw model distribution
+        chosen = lp.gather(1, tokens[a].unsqueeze(1)).squeeze(1).tolist()
+        logprobs = [math.nan] * len(rows)
+        top_logprobs = [[] for _ in rows]
+        for j, i in enumerate(asked):
+            logprobs[i] = chosen[j]
+        kmax = max(rows[i].params.top_logprobs_num for i in asked)
+        if kmax > 0:
+            vals, ids = lp.topk(min(kmax, lp.shape[-1]), dim=-1)
+            vals_l, ids_l = vals.tolist(), ids.tolist()
+            for j, i in enumerate(asked):
+                k = rows[i].params.top_logprobs_num
+                top_logprobs[i] = list(zip(ids_l[j][:k], vals_l[j][:k]))
+    return SampleOutput(token_ids, logprobs, top_logprobs)
+
+
+def token_logprobs(logits: torch.Tensor, next_ids: torch.Tensor) -> list[float]:
+    """Raw logprob of each next token: logits [N, V] float32, next_ids [N] int64."""
+    lp = torch.log_softmax(logits, dim=-1)
+    return lp.gather(1, next_ids.unsqueeze(1)).squeeze(1).tolist()

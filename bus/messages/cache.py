@@ -144,6 +144,7 @@ class TreeDropped(Msg, tag="cache.dropped"):
     num_pages_reclaimed: int
     ok: bool = True
     reason: str = ""  # why it was refused, when ok is False
+    tree_version: int = 0  # the tree's version now; matches with an older one are stale
 
 
 class BlockStored(Msg, tag="cache.kv.stored"):

@@ -1,0 +1,77 @@
+"""Cache manager configuration: one frozen Struct, validated on construction.
+
+The config also travels inside the cache manager's `Ready.info` (see `to_info` /
+`from_info`), so a recorded event log carries what is needed to rebuild the core for
+replay.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+EVICTION_POLICIES = ("lru",)
+
+
+class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
+    num_pages: int
+    """Pages in the device KV pool (the executor's pool size divided by page_size)."""
+
+    page_size: int = 1
+    """Tokens per page. The tree matches and caches whole pages only."""
+
+    disable_radix_cache: bool = False
+    """No prefix sharing: matches are always empty and released pages are freed."""
+
+    eviction_policy: str = "lru"
+    """Which unlocked leaves go first when leases need pages. Only "lru" for now; time
+    is a logical counter advanced once per handled message, never a clock."""
+
+    emit_kv_events: bool = True
+    """Publish BlockStored / BlockRemoved / AllBlocksCleared (this also computes the
+    per-page block hash chain)."""
+
+    actor_id: str = "cache"
+    """This instance's id on the bus."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_pages, int) or self.num_pages < 1:
+            raise ValueError(f"num_pages must be a positive integer, got {self.num_pages!r}")
+        if not isinstance(self.page_size, int) or self.page_size < 1:
+            raise ValueError(f"page_size must be a positive integer, got {self.page_size!r}")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(
+                f"eviction_policy {self.eviction_policy!r} is not supported "
+                f"(choose from {', '.join(EVICTION_POLICIES)})"
+            )
+        if not self.actor_id:
+            raise ValueError("actor_id must not be empty")
+
+    @property
+    def num_tokens(self) -> int:
+        """KV slots in the pool."""
+        return self.num_pages * self.page_size
+
+    def to_info(self) -> dict[str, int | float | str]:
+        """The config as `Ready.info` (flat str -> int|float|str; bools as 0/1)."""
+        return {
+            "num_pages": self.num_pages,
+            "page_size": self.page_size,
+            "disable_radix_cache": int(self.disable_radix_cache),
+            "eviction_policy": self.eviction_policy,
+            "emit_kv_events": int(self.emit_kv_events),
+        }
+
+    @classmethod
+    def from_info(cls, info: dict[str, int | float | str], actor_id: str = "cache") -> CacheConfig:
+        """Rebuild the config from a recorded `Ready.info` (inverse of `to_info`)."""
+        try:
+            return cls(
+                num_pages=int(info["num_pages"]),
+                page_size=int(info.get("page_size", 1)),
+                disable_radix_cache=bool(int(info.get("disable_radix_cache", 0))),
+                eviction_policy=str(info.get("eviction_policy", "lru")),
+                emit_kv_events=bool(int(info.get("emit_kv_events", 1))),
+                actor_id=actor_id,
+            )
+        except KeyError as e:
+            raise ValueError(f"cache Ready.info lacks {e.args[0]!r}: {info!r}") from None

@@ -1,0 +1,422 @@
+"""Cache manager core: prefix matches, page leases, the ledger, census, row reclaim.
+
+Theory of operation
+    The core owns the device KV pages and the radix tree over the tokens they hold. A
+    request arrives as Tokenized: its longest cached prefix (page-aligned, leaving at
+    least one token to compute) is locked and published as Matched. The scheduler draws
+    pages through leases (LeaseRequest -> LeaseGranted, evicting LRU unlocked leaves
+    when the free set is short; a grant may be smaller than asked, even empty, and
+    never waits). Pages come back through LeaseReturned, ChunkCached (a chunk's pages
+    go into the tree so followers share them; the request's lock moves down to the new
+    node) and SequenceReleased (computed whole pages go into the tree, pages whose
+    positions the tree already held with other pages are freed, as are the partial
+    last page and any surplus; the match is unlocked; "retracted" matches again).
+
+    Every page-returning message is checked against the ledger before anything of it
+    is applied: a page must be leased (OUT), kept aside for this very request, or be
+    the tree's own page at that very position of the request's tokens. Otherwise the
+    whole message is refused with FreeRefused and the state is left as it was.
+
+    SchedulerCensus closes the books at a step boundary: the scheduler counts leased
+    pages it holds (unused, or in rows not yet handed over by ChunkCached); grants it
+    has not received yet (lease_seq > last_lease_seq) count as leased unused; pages
+    handed over by ChunkCached but kept aside count as held. Census is published, and
+    CensusBroken too when free + leased_unused + held + cached != total.
+
+    DropTree reclaims every page of the tree (differenced against the free set), locked
+    ones too when include_locked; without include_locked (/flush_cache) it is refused
+    while any node is locked, i.e. while any request is waiting or running (as SGLang
+    refuses a flush with requests in flight). It is refused while a spill/load copy is
+    in flight. Requests whose locked path was dropped remember those pages
+    ("reclaimed") and never free them later; TreeDropped.tree_version tells the
+    scheduler that every earlier match is stale (it refreshes before admission).
+
+    Time is `_clock`, advanced once per handled message; no clock, environment or
+    randomness is read, so a recorded inbox replays to the same outbox.
+
+Invariants (checked by tests/actors/cache_manager, after every message)
+    - ledger counts: free + OUT + TREE + ASIDE == num_pages; TREE == tree.num_pages.
+    - the tree's pages are exactly the ledger's TREE pages; no page is in two places.
+    - a node with lock_ref > 0 is never evicted; locks == matched requests' paths.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from shunter.actors.cache_manager.allocator import ASIDE, FREE, OUT, TREE, PageLedger
+from shunter.actors.cache_manager.config import CacheConfig
+from shunter.actors.cache_manager.radix import Node, RadixTree
+from shunter.bus.messages import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Census,
+    CensusBroken,
+    ChunkCached,
+    DropTree,
+    FreeRefused,
+    LeaseGranted,
+    LeaseRequest,
+    LeaseReturned,
+    LoadPages,
+    Matched,
+    Msg,
+    PagesLoaded,
+    PagesSpilled,
+    RefreshMatch,
+    RequestFailed,
+    SchedulerCensus,
+    SequenceReleased,
+    SpillPages,
+    Tokenized,
+    TreeDropped,
+)
+
+Inbox = (
+    Tokenized | RefreshMatch | LeaseRequest | LeaseReturned | ChunkCached | SequenceReleased
+    | SchedulerCensus | DropTree | SpillPages | PagesSpilled | LoadPages | PagesLoaded
+)  # fmt: skip
+INBOX_TYPES: tuple[type[Msg], ...] = Inbox.__args__  # type: ignore[attr-defined]
+
+_WHY = {FREE: "already free", TREE: "owned by the prefix tree", ASIDE: "kept aside for"}
+
+
+class CacheStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    num_pages: int
+    num_free: int
+    num_leased: int  # OUT: with the scheduler, unused or in rows
+    num_aside: int  # handed over by ChunkCached, positions already cached
+    num_in_tree: int
+    num_nodes: int
+    num_locked_nodes: int
+    num_locked_pages: int
+    num_requests: int  # matched and not yet released
+    num_leases_in_flight: int
+    num_copies_in_flight: int
+    tree_version: int
+    num_matches: int
+    num_queried_tokens: int
+    num_hit_tokens: int
+    num_evicted_pages: int
+    num_free_refused: int
+    num_census_broken: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+
+class _Request:
+    __slots__ = ("aside", "key_tokens", "node", "reclaimed", "tokenized")
+
+    def __init__(self, tokenized: Tokenized, key_tokens: list[int]) -> None:
+        self.tokenized = tokenized
+        self.key_tokens = key_tokens  # what is matched: input_ids, or computed tokens
+        self.node: Node | None = None  # locked node of the current match
+        self.aside: set[int] = set()  # its pages kept aside (see allocator.ASIDE)
+        self.reclaimed: frozenset[int] = frozenset()  # its path pages a DropTree took
+
+
+class CacheManagerCore:
+    def __init__(self, config: CacheConfig) -> None:
+        self.config = config
+        self.page_size = config.page_size
+        self.ledger = PageLedger(config.num_pages)
+        self.tree = RadixTree(config.page_size, hash_blocks=config.emit_kv_events)
+        self.requests: dict[str, _Request] = {}
+        self._aside_owner: dict[int, str] = {}
+        self._leases_in_flight: dict[int, int] = {}  # lease_seq -> pages granted
+        self._copies_in_flight: set[int] = set()
+        self._clock = 0
+        self._num_matches = self._num_queried = self._num_hit = 0
+        self._num_evicted = self._num_refused = self._num_broken = 0
+
+    def handle(self, msg: Msg) -> list[Msg]:
+        self._clock += 1
+        self.tree.now = self._clock
+        match msg:
+            case Tokenized():
+                return self._on_tokenized(msg)
+            case RefreshMatch(request_id=rid):
+                req = self.requests.get(rid)
+                if req is None:  # released meanwhile; nothing to refresh
+                    return []
+                self._unlock(req)
+                return [self._match(req)]
+            case LeaseRequest():
+                return self._on_lease(msg)
+            case LeaseReturned(pages=pages):
+                bad = self._bad_pages(pages, None, [])
+                if bad:
+                    return [self._refuse(bad, "scheduler lease")]
+                self.ledger.free(pages)
+                return []
+            case ChunkCached():
+                return self._on_chunk(msg)
+            case SequenceReleased():
+                return self._on_release(msg)
+            case SchedulerCensus():
+                return self._on_census(msg)
+            case DropTree():
+                return self._on_drop(msg)
+            case SpillPages(copy_id=cid) | LoadPages(copy_id=cid):
+                self._copies_in_flight.add(cid)
+                return []
+            case PagesSpilled(copy_id=cid) | PagesLoaded(copy_id=cid):
+                self._copies_in_flight.discard(cid)
+                return []
+        raise TypeError(f"cache manager core cannot handle {type(msg).__name__}")
+
+    # -- matching -----------------------------------------------------------------
+
+    def _on_tokenized(self, t: Tokenized) -> list[Msg]:
+        if t.request_id in self.requests:
+            msg = f"request id {t.request_id!r} is already in use"
+            return [RequestFailed(t.request_id, "invalid_request", msg, 400)]
+        req = self.requests[t.request_id] = _Request(t, t.input_ids)
+        return [self._match(req)]
+
+    def _match(self, req: _Request) -> Matched:
+        """Lock and publish the longest cached prefix, leaving >= 1 token to compute."""
+        key = req.key_tokens
+        req.reclaimed = frozenset()
+        self._num_matches += 1
+        self._num_queried += len(key)
+        if self.config.disable_radix_cache or len(key) <= self.page_size:
+            return Matched(req.tokenized, 0, [], self.tree.version)
+        found = self.tree.match(req.tokenized.extra_key, key[: len(key) - 1])
+        self.tree.lock(found.node)
+        req.node = found.node
+        self._num_hit += found.num_tokens
+        return Matched(req.tokenized, found.num_tokens, found.pages, self.tree.version)
+
+    def _unlock(self, req: _Request) -> None:
+        if req.node is not None:
+            self.tree.unlock(req.node)
+            req.node = None
+
+    # -- leases -------------------------------------------------------------------
+
+    def _on_lease(self, msg: LeaseRequest) -> list[Msg]:
+        out: list[Msg] = []
+        num_evicted = 0
+        short = msg.num_pages - self.ledger.num_free
+        if short > 0 and self.tree.num_pages:
+            blocks = self.tree.evict(short)
+            pages = [p for b in blocks for p in b.pages]
+            assert all(self.ledger.owner[p] == TREE for p in pages)
+            self.ledger.free(pages)
+            num_evicted = len(pages)
+            self._num_evicted += num_evicted
+            if self.config.emit_kv_events and blocks:
+                out.append(BlockRemoved([h for b in blocks for h in b.hashes]))
+        pages = self.ledger.take(max(msg.num_pages, 0))
+        self._leases_in_flight[msg.lease_seq] = len(pages)
+        out.append(LeaseGranted(msg.lease_seq, pages, num_evicted))
+        return out
+
+    # -- pages coming back --------------------------------------------------------
+
+    def _bad_pages(self, pages: list[int], rid: str | None, tree_pages: list[int]) -> list:
+        """(page, why) for each page of pages the sender may not hand back: it must be
+        OUT, kept aside for request rid, or tree_pages[i] itself at its position i."""
+        bad: list[tuple[int, str]] = []
+        seen: set[int] = set()
+        owner, valid = self.ledger.owner, self.ledger.valid
+        for i, p in enumerate(pages):
+            if not valid(p):
+                bad.append((p, "no such page"))
+                continue
+            if p in seen:
+                bad.append((p, "listed twice"))
+                continue
+            seen.add(p)
+            o = owner[p]
+            if o == OUT or (o == ASIDE and self._aside_owner[p] == rid):
+                continue
+            if o == TREE and i < len(tree_pages) and tree_pages[i] == p:
+                continue
+            why = _WHY[o] + (f" request {self._aside_owner[p]}" if o == ASIDE else "")
+            bad.append((p, why))
+        return bad
+
+    def _refuse(self, bad: list[tuple[int, str]], claimed_by: str) -> FreeRefused:
+        self._num_refused += 1
+        groups: dict[str, list[int]] = {}
+        for p, why in bad:
+            groups.setdefault(why, []).append(p)
+        reason = "; ".join(
+            f"{why}: {ps[:8]}{'...' if len(ps) > 8 else ''}" for why, ps in groups.items()
+        )
+        return FreeRefused([p for p, _ in bad], claimed_by, reason)
+
+    def _unknown(self, rid: str, pages: list[int]) -> FreeRefused:
+        self._num_refused += 1
+        return FreeRefused(
+            list(pages), f"request {rid}", "unknown request (not matched, or already released)"
+        )
+
+    def _tree_pages(self, req: _Request, tokens: list[int]) -> list[int]:
+        if self.config.disable_radix_cache or req.reclaimed:
+            return []
+        return self.tree.match(req.tokenized.extra_key, tokens, split=False).pages
+
+    def _to_tree(self, pages: list[int]) -> None:
+        for p in pages:
+            if self.ledger.owner[p] == ASIDE:
+                self.requests[self._aside_owner.pop(p)].aside.discard(p)
+                self.ledger.move([p], ASIDE, TREE)
+            else:
+                self.ledger.move([p], OUT, TREE)
+
+    def _put_aside(self, req: _Request, pages: list[int]) -> None:
+        rid = req.tokenized.request_id
+        for p in pages:
+            if self.ledger.owner[p] == OUT:
+                self.ledger.move([p], OUT, ASIDE)
+                self._aside_owner[p] = rid
+                req.aside.add(p)
+
+    def _insert(self, req: _Request, tokens: list[int], pages: list[int], out: list[Msg]):
+        """Insert whole pages; returns (node, duplicate pages the tree already covered)."""
+        ns = req.tokenized.extra_key
+        ins = self.tree.insert(ns, tokens, pages)
+        k = ins.num_cached_tokens // self.page_size
+        dups = [p for p, q in zip(pages[:k], ins.cached_pages) if p != q]
+        if ins.new_node is not None:
+            self._to_tree(pages[k:])
+            if self.config.emit_kv_events:
+                leaf = ins.new_node
+                assert leaf.parent is not None
+                parent_hash = leaf.parent.hashes[-1] if leaf.parent.hashes else None
+                out.append(
+                    BlockStored(
+                        list(leaf.hashes), parent_hash, list(leaf.key), self.page_size, ns or None
+                    )
+                )
+        return ins.node, dups
+
+    def _on_chunk(self, msg: ChunkCached) -> list[Msg]:
+        req = self.requests.get(msg.request_id)
+        if req is None:
+            return [self._unknown(msg.request_id, msg.pages)]
+        n_full = min(len(msg.token_ids) // self.page_size, len(msg.pages))
+        tokens = msg.token_ids[: n_full * self.page_size]
+        head = [p for p in msg.pages[:n_full] if p not in req.reclaimed]
+        bad = self._bad_pages(head, msg.request_id, self._tree_pages(req, tokens))
+        if bad:
+            return [self._refuse(bad, f"request {msg.request_id}")]
+        if self.config.disable_radix_cache or req.reclaimed:
+            self._put_aside(req, head)
+            return []
+        out: list[Msg] = []
+        node, dups = self._insert(req, tokens, head, out)
+        self._put_aside(req, dups)
+        self.tree.lock(node)
+        self._unlock(req)
+        req.node = node
+        return out
+
+    def _on_release(self, msg: SequenceReleased) -> list[Msg]:
+        rid = msg.request_id
+        req = self.requests.get(rid)
+        if req is None:
+            return [self._unknown(rid, msg.pages)]
+        n_full = min(len(msg.token_ids) // self.page_size, len(msg.pages))
+        tokens = msg.token_ids[: n_full * self.page_size]
+        pages = [p for p in msg.pages if p not in req.reclaimed]
+        bad = self._bad_pages(pages, rid, self._tree_pages(req, tokens))
+        if bad:
+            return [self._refuse(bad, f"request {rid}")]
+        out: list[Msg] = []
+        if self.config.disable_radix_cache or req.reclaimed or not n_full:
+            to_free = [p for p in pages if self.ledger.owner[p] != TREE]
+        else:
+            _, to_free = self._insert(req, tokens, pages[:n_full], out)
+            to_free += pages[n_full:]
+        listed = set(to_free)
+        to_free += [p for p in sorted(req.aside) if p not in listed]
+        for p in req.aside:
+            del self._aside_owner[p]
+        req.aside.clear()
+        self.ledger.free(to_free)
+        self._unlock(req)
+        del self.requests[rid]
+        if msg.reason == "retracted":
+            again = self.requests[rid] = _Request(req.tokenized, msg.token_ids or req.key_tokens)
+            out.append(self._match(again))
+        return out
+
+    # -- census and drop ----------------------------------------------------------
+
+    def _on_census(self, msg: SchedulerCensus) -> list[Msg]:
+        flights = self._leases_in_flight
+        for seq in [s for s in flights if s <= msg.last_lease_seq]:
+            del flights[seq]
+        counts = self.ledger.counts
+        assert counts[TREE] == self.tree.num_pages, (counts, self.tree.num_pages)
+        in_flight = sum(flights.values())
+        total = self.ledger.num_pages
+        leased_unused = msg.num_leased_unused + in_flight
+        held = msg.num_held_by_requests + counts[ASIDE]
+        counted = counts[FREE] + leased_unused + held + counts[TREE]
+        ok = counted == total
+        out: list[Msg] = [
+            Census(
+                msg.step_id, "device", total, counts[FREE], leased_unused, held, counts[TREE], ok
+            )
+        ]
+        if not ok:
+            self._num_broken += 1
+            detail = (
+                f"{counts[OUT]} pages are leased out by the ledger; the scheduler reports "
+                f"{msg.num_leased_unused} leased unused + {msg.num_held_by_requests} held "
+                f"(+ {in_flight} granted after lease {msg.last_lease_seq})"
+            )
+            out.append(CensusBroken(msg.step_id, "device", counted - total, detail))
+        return out
+
+    def _on_drop(self, msg: DropTree) -> list[Msg]:
+        tree = self.tree
+        if self._copies_in_flight:
+            ids = sorted(self._copies_in_flight)
+            why = f"{len(ids)} KV copies in flight (copy ids {ids[:8]})"
+            return [TreeDropped(msg.flip_id, 0, False, why, tree.version)]
+        if not msg.include_locked and tree.num_locked_nodes:
+            num = sum(1 for r in self.requests.values() if r.node is not None and r.node.lock_ref)
+            why = f"{num} requests hold prefix locks; flushing needs an idle engine"
+            return [TreeDropped(msg.flip_id, 0, False, why, tree.version)]
+        reclaim = [p for p in tree.all_pages() if not self.ledger.is_free(p)]
+        for req in self.requests.values():
+            if req.node is not None:
+                req.reclaimed = frozenset(tree.path_pages(req.node))
+                req.node = None
+        tree.clear()
+        self.ledger.free(reclaim)
+        out: list[Msg] = [AllBlocksCleared()] if self.config.emit_kv_events else []
+        out.append(TreeDropped(msg.flip_id, len(reclaim), True, "", tree.version))
+        return out
+
+    def statistics(self) -> CacheStatistics:
+        counts = self.ledger.counts
+        return CacheStatistics(
+            num_pages=self.ledger.num_pages,
+            num_free=counts[FREE],
+            num_leased=counts[OUT],
+            num_aside=counts[ASIDE],
+            num_in_tree=counts[TREE],
+            num_nodes=len(self.tree.nodes()),
+            num_locked_nodes=self.tree.num_locked_nodes,
+            num_locked_pages=self.tree.num_locked_pages,
+            num_requests=len(self.requests),
+            num_leases_in_flight=sum(self._leases_in_flight.values()),
+            num_copies_in_flight=len(self._copies_in_flight),
+            tree_version=self.tree.version,
+            num_matches=self._num_matches,
+            num_queried_tokens=self._num_queried,
+            num_hit_tokens=self._num_hit,
+            num_evicted_pages=self._num_evicted,
+            num_free_refused=self._num_refused,
+            num_census_broken=self._num_broken,
+        )

@@ -1,0 +1,247 @@
+"""Replay harness: a small deterministic core is run live on a real bus with the real
+recorder, then replayed from the log: identical, and every kind of divergence caught.
+
+This module also registers the core as "accumulator" when imported, so
+`busctl replay --import tests/bus/test_replay.py --actor accumulator` can use it.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import anyio
+import pytest
+
+from shunter.bus.codec import encode
+from shunter.bus.log import LogReader, LogWriter, record
+from shunter.bus.messages import (
+    Envelope,
+    HealthPing,
+    Msg,
+    Ready,
+    RequestOutput,
+    SchedulerStats,
+    StepResult,
+    Tick,
+    TokensOut,
+)
+from shunter.bus.replay import (
+    CoreSpec,
+    get_core,
+    register_core,
+    registered,
+    replay,
+)
+from shunter.bus.transport import Bus, InProcHub
+
+ACTOR = "accumulator"
+
+
+class AccumulatorCore:
+    """Per-row running totals of sampled tokens: a StepResult becomes a TokensOut whose
+    outputs carry (token + offset) and the row's running total; every Tick reports the
+    number of rows seen. `bug_after` makes it go wrong on purpose from that message on."""
+
+    def __init__(self, offset: int, bug_after: int | None = None):
+        self.offset = offset
+        self.totals: dict[int, int] = {}
+        self.num_handled = 0
+        self.bug_after = bug_after
+
+    def handle(self, msg: Msg) -> list[Msg]:
+        self.num_handled += 1
+        bug = 1 if self.bug_after is not None and self.num_handled > self.bug_after else 0
+        match msg:
+            case StepResult(step_id=step, rows=rows, token_ids=tokens):
+                outs = []
+                for row, tok in zip(rows, tokens, strict=True):
+                    self.totals[row] = self.totals.get(row, 0) + tok
+                    outs.append(
+                        RequestOutput(
+                            f"row{row}",
+                            [tok + self.offset + bug],
+                            num_prompt_tokens=self.totals[row],
+                        )
+                    )
+                return [TokensOut(step, outs)]
+            case Tick(now_ns=now):
+                if now % 3:
+                    return []
+                return [
+                    SchedulerStats(
+                        self.num_handled,
+                        len(self.totals),
+                        0,
+                        sum(self.totals.values()),
+                        1 << 20,
+                        0.5,
+                    )
+                ]
+        return []
+
+
+def build_core(config: Msg | None, bug_after: int | None = None) -> AccumulatorCore:
+    assert isinstance(config, Ready), config
+    return AccumulatorCore(int(config.info["offset"]), bug_after)
+
+
+SPEC = register_core(
+    ACTOR, build_core, inbox=("sched.result", "sched.tick"), config=("health.ready",)
+)
+
+
+async def run_shell(bus: Bus, offset: int, started: anyio.Event) -> None:
+    """The core's async shell: subscribe, announce the config, then handle the inbox."""
+    async with bus.subscribe("sched.result", "sched.tick", types=(StepResult, Tick)) as sub:
+        await bus.publish(Ready(actor=ACTOR, actor_id=ACTOR, info={"offset": offset}))
+        core = AccumulatorCore(offset)
+        started.set()
+        async for received in sub:
+            for out in core.handle(received.msg):
+                await bus.publish(out)
+
+
+def workload(num_steps: int) -> list[Msg]:
+    msgs: list[Msg] = []
+    for step in range(num_steps):
+        rows = [r for r in range(8) if (r + step) % 3]
+        msgs.append(StepResult(step, rows, [(step * 31 + r * 7) % 101 for r in rows]))
+        msgs.append(Tick(now_ns=step))
+        if step % 10 == 0:
+            msgs.append(HealthPing(f"p{step}"))  # neither inbox nor outbox
+    return msgs
+
+
+async def record_live_run(directory: pathlib.Path, num_steps: int = 60, offset: int = 5) -> int:
+    """Run the core live on an in-process bus with a recorder; returns messages recorded."""
+    hub = InProcHub()
+    driver, shell_bus, rec_bus = hub.connect("driver"), hub.connect(ACTOR), hub.connect("recorder")
+    msgs = workload(num_steps)
+    num_outputs = sum(1 for m in msgs if isinstance(m, StepResult)) + sum(
+        1 for m in msgs if isinstance(m, Tick) and m.now_ns % 3 == 0
+    )
+    recording, shell_up = anyio.Event(), anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: record(rec_bus, directory, started=recording))
+        await recording.wait()
+        tg.start_soon(run_shell, shell_bus, offset, shell_up)
+        await shell_up.wait()
+        async with driver.subscribe("sched.tokens", "sched.stats") as outs:
+            for m in msgs:
+                await driver.publish(m)
+            with anyio.fail_after(10):
+                for _ in range(num_outputs):
+                    await outs.receive()
+        await anyio.sleep(0.05)  # the recorder's queue drains
+        tg.cancel_scope.cancel()
+    return len(msgs) + num_outputs + 1
+
+
+def copy_log(src: pathlib.Path, dst: pathlib.Path, edit) -> None:
+    """Rewrite a log through `edit(index, env, msg) -> (env, msg) | None (drop)`."""
+    w = LogWriter(dst)
+    for k, (env, msg) in enumerate(LogReader(src).messages()):
+        changed = edit(k, env, msg)
+        if changed is not None:
+            w.append(encode(changed[1], changed[0]), k)
+    w.close()
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture
+async def live_log(tmp_path) -> pathlib.Path:
+    n = await record_live_run(tmp_path / "log")
+    # bus.* events (BusGap from prefix-filtered subscribers) are the transport's own
+    assert (
+        sum(1 for r in LogReader(tmp_path / "log").records() if not r.topic.startswith(b"bus."))
+        == n
+    )
+    return tmp_path / "log"
+
+
+@pytest.mark.anyio
+async def test_identical_replay(live_log):
+    result = replay(live_log, ACTOR)
+    assert result.identical, result.report()
+    assert result.num_inbox == 120 and result.num_outbox == result.num_produced == 80
+    assert "identical" in result.report()
+
+
+@pytest.mark.anyio
+async def test_an_altered_core_is_caught_at_its_first_wrong_output(live_log):
+    altered = CoreSpec(
+        ACTOR, lambda cfg: build_core(cfg, bug_after=30), SPEC.inbox, ACTOR, SPEC.config
+    )
+    result = replay(live_log, altered)
+    d = result.divergence
+    assert d is not None and not result.identical
+    # inbox #30 is the 31st message: StepResult 15 (inbox alternates result, tick)
+    assert d.inbox_index == 30 and d.input.startswith("sched.result StepResult(step_id=15")
+    assert d.expected.startswith("sched.tokens") and d.got.startswith("sched.tokens")
+    assert d.index == 15 + 5  # 15 TokensOut and 5 stats (ticks 0, 3, ..., 12) before it
+    assert any(line.startswith("outputs[0].token_ids[0]: expected") for line in d.differences)
+    report = result.report()
+    assert "FIRST DIVERGENCE at outbox index 20" in report and "expected:" in report
+
+
+@pytest.mark.anyio
+async def test_a_tampered_log_is_caught(live_log, tmp_path):
+    def tamper(k, env, msg):
+        if isinstance(msg, SchedulerStats) and msg.step_id == 20:  # the 4th stats report
+            return env, SchedulerStats(
+                **{**{f: getattr(msg, f) for f in msg.__struct_fields__}, "num_running": 99}
+            )
+        return env, msg
+
+    copy_log(live_log, tmp_path / "tampered", tamper)
+    d = replay(tmp_path / "tampered", ACTOR).divergence
+    assert d is not None and d.inbox_index == 19 and d.index == 13
+    assert d.differences == ["num_running: expected 99, got 8"]
+
+
+@pytest.mark.anyio
+async def test_a_missing_and_an_extra_output_are_caught(live_log, tmp_path):
+    outbox = [(e, m) for e, m in LogReader(live_log).messages() if e.publisher_id == ACTOR]
+    dropped = outbox[-1][0]  # the core will produce it; the log lacks it
+    copy_log(live_log, tmp_path / "short", lambda k, e, m: None if e == dropped else (e, m))
+    result = replay(tmp_path / "short", ACTOR)
+    assert result.divergence.index == 79 and result.divergence.expected is None
+    assert result.divergence.got is not None
+    lenient = replay(tmp_path / "short", ACTOR, allow_short_recording=True)
+    assert lenient.identical and lenient.num_unrecorded == 1
+
+    extra = Envelope(ACTOR, 10_000, 0, 0)
+    more = tmp_path / "more"
+    copy_log(live_log, more, lambda k, e, m: (e, m))
+    w = LogWriter(more)
+    w.append(encode(TokensOut(999, []), extra), 0)
+    w.close()
+    d = replay(more, ACTOR).divergence
+    assert (
+        d.index == 80
+        and d.got is None
+        and d.expected.startswith("sched.tokens TokensOut(step_id=999")
+    )
+
+
+@pytest.mark.anyio
+async def test_missing_config_message_is_a_clear_error(live_log, tmp_path):
+    copy_log(
+        live_log, tmp_path / "noconf", lambda k, e, m: None if isinstance(m, Ready) else (e, m)
+    )
+    with pytest.raises(
+        LookupError, match=r"no message under \['health.ready'\] published by 'accumulator'"
+    ):
+        replay(tmp_path / "noconf", ACTOR)
+
+
+def test_registry():
+    assert registered()[ACTOR] is SPEC and get_core(ACTOR) is SPEC
+    with pytest.raises(KeyError, match=r"no replayable core named 'nope'; known: .*accumulator"):
+        get_core("nope")
+    with pytest.raises(ValueError, match="inbox needs at least one"):
+        register_core("empty", build_core, inbox=())

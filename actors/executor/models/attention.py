@@ -1,0 +1,98 @@
+"""Per-step attention context: where this step's K/V go and how each layer attends.
+
+Theory of operation: the runner builds one AttentionContext per forward step from
+the batch's slot tables. Entries with one new token (decode) are attended together
+through a padded decode plan; entries with several new tokens (prefill / extend) go
+through the extend plan. Both plans are built once and shared by every layer, so the
+per-layer cost is the KV store plus one or two attention calls.
+
+Invariants: `out_slots[t]` is the slot of new token t; decode_rows and extend_rows
+partition range(num_tokens) (either may be empty, then its plan is None).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shunter.kernels.attention_decode import DecodePlan, attention_decode, plan_decode
+from shunter.kernels.attention_extend import ExtendPlan, attention_extend, plan_extend
+from shunter.kernels.kv_store import kv_store
+
+
+@dataclass(frozen=True)
+class AttentionContext:
+    k_buffers: list[torch.Tensor]  # per layer [num_slots, Hkv, D]
+    v_buffers: list[torch.Tensor]
+    out_slots: torch.Tensor  # [num_tokens] int64
+    decode_plan: DecodePlan | None
+    extend_plan: ExtendPlan | None
+    decode_rows: torch.Tensor | None  # [num_decode] int64 token rows, None if all or none
+    extend_rows: torch.Tensor | None  # [num_extend_tokens] int64, None if all or none
+
+
+def build_attention_context(
+    k_buffers: list[torch.Tensor],
+    v_buffers: list[torch.Tensor],
+    num_new_tokens: list[int],
+    seq_lens: list[int],
+    slot_tables: list[torch.Tensor],
+    *,
+    device: torch.device,
+    sliding_window: int | None = None,
+) -> AttentionContext:
+    out_slots = torch.cat(
+        [t[s - n : s] for t, n, s in zip(slot_tables, num_new_tokens, seq_lens, strict=True)]
+    ).to(device)
+    dec = [i for i, n in enumerate(num_new_tokens) if n == 1]
+    ext = [i for i, n in enumerate(num_new_tokens) if n != 1]
+    decode_plan = extend_plan = None
+    decode_rows = extend_rows = None
+    if dec:
+        decode_plan = plan_decode(
+            [slot_tables[i][: seq_lens[i]] for i in dec],
+            device=device,
+            sliding_window=sliding_window,
+        )
+    if ext:
+        extend_plan = plan_extend(
+            [num_new_tokens[i] for i in ext],
+            [seq_lens[i] for i in ext],
+            [slot_tables[i][: seq_lens[i]].to(device) for i in ext],
+            device=device,
+            sliding_window=sliding_window,
+        )
+    if dec and ext:
+        starts = [0]
+        for n in num_new_tokens:
+            starts.append(starts[-1] + n)
+        decode_rows = torch.tensor([starts[i] for i in dec], dtype=torch.int64, device=device)
+        extend_rows = torch.cat(
+            [torch.arange(starts[i], starts[i + 1], dtype=torch.int64) for i in ext]
+        ).to(device)
+    return AttentionContext(
+        k_buffers, v_buffers, out_slots, decode_plan, extend_plan, decode_rows, extend_rows
+    )
+
+
+def paged_attention(
+    ctx: AttentionContext,
+    layer_idx: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H, D]. Stores k, v first."""
+    kc, vc = ctx.k_buffers[layer_idx], ctx.v_buffers[layer_idx]
+    kv_store(kc, vc, ctx.out_slots, k, v)
+    if ctx.extend_plan is None:
+        return attention_decode(q, kc, vc, ctx.decode_plan, scale)
+    if ctx.decode_plan is None:
+        return attention_extend(q, k, v, kc, vc, ctx.extend_plan, scale)
+    out = torch.empty_like(q)
+    dr, er = ctx.decode_rows, ctx.extend_rows
+    out[dr] = attention_decode(q[dr], kc, vc, ctx.decode_plan, scale)
+    out[er] = attention_extend(q[er], k[er], v[er], kc, vc, ctx.extend_plan, scale)
+    return out

@@ -1,0 +1,238 @@
+"""One Llama-family decoder for every supported family, driven by ModelConfig.
+
+Theory of operation: tokens of all entries of a step are one flat [num_tokens] axis
+(no batch/padding axis); positions come with them. Each layer: RMSNorm, one fused
+qkv projection (optional bias), optional per-head q/k RMSNorm (Qwen3), rope, paged
+attention through the step's AttentionContext (which stores the new K/V in the pool
+first), output projection, fused add+RMSNorm, fused gate/up projection, SiLU*up,
+down projection. Logits are computed by the runner only for the rows it needs.
+
+Parameter names follow HF checkpoints except the fused ones: q/k/v_proj land in
+`qkv_proj` and gate/up_proj in `gate_up_proj` (see `load_weights`).
+
+Invariants: the residual stream stays in the model dtype; `lm_head` is None exactly
+when embeddings are tied (logits then use `embed_tokens.weight`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shunter.actors.executor.models.attention import AttentionContext, paged_attention
+from shunter.actors.executor.models.config import ModelConfig
+from shunter.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+from shunter.kernels.rope import apply_rope, rope_cos_sin_cache
+from shunter.kernels.silu_mul import silu_mul
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rmsnorm(x, self.weight, self.eps)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.qk_norm = config.qk_norm
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [T] int64
+        cos_sin: torch.Tensor,  # [max_pos, head_dim] float32
+        ctx: AttentionContext,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, q + 2 kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, k, positions, cos_sin)
+        o = paged_attention(ctx, self.layer_idx, q, k, v, self.scale)  # [T, H, D]
+        return self.o_proj(o.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.eps = config.rms_norm_eps
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]: this layer's input before its norm
+        residual: torch.Tensor | None,  # [T, hidden]; None at layer 0
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        ctx: AttentionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = fused_add_rmsnorm(x, residual, self.input_layernorm.weight, self.eps)
+        h = self.self_attn(h, positions, cos_sin, ctx)
+        h, residual = fused_add_rmsnorm(h, residual, self.post_attention_layernorm.weight, self.eps)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        cos_sin: torch.Tensor,
+        ctx: AttentionContext,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, cos_sin, ctx)
+        x, _ = fused_add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)
+        return x  # [T, hidden]
+
+
+# HF checkpoint names of the projections fused here: (hf suffix, our suffix, shard index)
+_STACKED = [
+    ("self_attn.q_proj", "self_attn.qkv_proj", 0),
+    ("self_attn.k_proj", "self_attn.qkv_proj", 1),
+    ("self_attn.v_proj", "self_attn.qkv_proj", 2),
+    ("mlp.gate_proj", "mlp.gate_up_proj", 0),
+    ("mlp.up_proj", "mlp.gate_up_proj", 1),
+]
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self._cos_sin: torch.Tensor | None = None
+
+    def cos_sin_cache(self, max_pos: int) -> torch.Tensor:
+        """[>= max_pos, head_dim] float32 rope table on the model's device, grown on demand."""
+        if self._cos_sin is None or self._cos_sin.shape[0] < max_pos:
+            c = self.config
+            size = max(max_pos, c.max_position_embeddings, 1)
+            if self._cos_sin is not None:
+                size = max(size, 2 * self._cos_sin.shape[0])
+            dev = self.model.embed_tokens.weight.device
+            self._cos_sin = rope_cos_sin_cache(c.head_dim, size, c.rope_theta, c.rope_scaling).to(
+                dev
+            )
+        return self._cos_sin
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+        max_pos: int | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden] (normed). max_pos: one past the largest position."""
+        if max_pos is None:
+            max_pos = int(positions.max()) + 1 if positions.numel() else 1
+        return self.model(input_ids, positions, self.cos_sin_cache(max_pos), ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into the parameters (fusing q/k/v and gate/up).
+        Returns the parameter names that were filled; raises ValueError on an unknown
+        name or a shape mismatch."""
+        params = dict(self.named_parameters())
+        c = self.config
+        qkv_sizes = [c.q_size, c.kv_size, c.kv_size]
+        mlp_sizes = [c.intermediate_size, c.intermediate_size]
+        filled: dict[str, int] = {}
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            for hf, ours, shard in _STACKED:
+                if f".{hf}." in name:
+                    target = name.replace(hf, ours)
+                    sizes = qkv_sizes if "qkv" in ours else mlp_sizes
+                    p = params.get(target)
+                    if p is None:
+                        raise ValueError(f"checkpoint tensor {name} has no place in the model")
+                    start = sum(sizes[:shard])
+                    dst = p.data.narrow(0, start, sizes[shard])
+                    _copy(name, dst, tensor)
+                    filled[target] = filled.get(target, 0) + 1
+                    break
+            else:
+                p = params.get(name)
+                if p is None:
+                    raise ValueError(f"checkpoint tensor {name} has no place in the model")
+                _copy(name, p.data, tensor)
+                filled[name] = filled.get(name, 0) + 1
+        expected_parts = {n: 3 if "qkv_proj" in n else 2 if "gate_up" in n else 1 for n in params}
+        missing = sorted(n for n in params if filled.get(n, 0) < expected_parts[n])
+        if missing:
+            shown = ", ".join(missing[:6]) + (" ..." if len(missing) > 6 else "")
+            raise ValueError(f"checkpoint lacks {len(missing)} model tensors: {shown}")
+        return set(filled)
+
+
+def _copy(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(
+            f"checkpoint tensor {name} has shape {tuple(src.shape)}, model expects {tuple(dst.shape)}"
+        )
+    dst.copy_(src)

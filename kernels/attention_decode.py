@@ -1,0 +1,96 @@
+"""Paged decode attention: one new query token per entry over that entry's cached KV.
+
+Theory of operation: `plan_decode` turns the entries' slot tables into a padded
+[B, max_len] gather index and a [B, 1, 1, max_len] key mask once per step; every layer
+reuses that plan. `attention_decode` gathers each layer's K/V through the index and
+runs one batched SDPA (grouped-query heads share their KV head, no KV copy per query
+head). A GPU backend plans its own metadata from the same arguments.
+
+Invariants: the query of entry b sits at position kv_lens[b] - 1 and its own K/V are
+already in the pool (stored before attention); padding indices point at slot 0 and
+are masked out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    kv_indices: torch.Tensor  # [B, max_len] int64 slots, padded with 0
+    mask: torch.Tensor  # [B, 1, 1, max_len] bool, True where the key is attended
+    kv_lens: torch.Tensor  # [B] int64
+
+
+def plan_decode(
+    slot_tables: list[torch.Tensor],
+    *,
+    device: torch.device | str = "cpu",
+    sliding_window: int | None = None,
+) -> DecodePlan:
+    """slot_tables: per entry [seq_len] int64 slots of tokens 0..seq_len-1."""
+    if not slot_tables:
+        raise ValueError("plan_decode needs at least one entry")
+    lens = torch.tensor([t.shape[0] for t in slot_tables], dtype=torch.int64)
+    if int(lens.min()) < 1:
+        raise ValueError("a decode entry needs at least its own token in the KV")
+    idx = torch.nn.utils.rnn.pad_sequence(slot_tables, batch_first=True, padding_value=0)
+    pos = torch.arange(idx.shape[1], dtype=torch.int64)
+    mask = pos[None, :] < lens[:, None]
+    if sliding_window is not None:
+        mask &= pos[None, :] > (lens[:, None] - 1 - sliding_window)
+    return DecodePlan(
+        kv_indices=idx.to(device),
+        mask=mask[:, None, None, :].to(device),
+        kv_lens=lens.to(device),
+    )
+
+
+def attention_decode_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_tables: list[torch.Tensor],
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Entry by entry, explicit softmax(q k^T * scale) v in float32."""
+    num_heads = q.shape[1]
+    out = torch.empty_like(q)
+    for b, slots in enumerate(slot_tables):
+        k = k_cache[slots].float()  # [L, Hkv, D]
+        v = v_cache[slots].float()
+        if sliding_window is not None:
+            k, v = k[-sliding_window:], v[-sliding_window:]
+        rep = num_heads // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)  # [L, H, D]
+        v = v.repeat_interleave(rep, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * scale
+        out[b] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+def attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: DecodePlan,
+    scale: float,
+) -> torch.Tensor:
+    """q: [B, H, D]; k_cache, v_cache: [num_slots, Hkv, D] -> [B, H, D]."""
+    bsz, num_heads, head_dim = q.shape
+    k = k_cache[plan.kv_indices].transpose(1, 2)  # [B, Hkv, L, D]
+    v = v_cache[plan.kv_indices].transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :].to(k.dtype),  # [B, H, 1, D]
+        k,
+        v,
+        attn_mask=plan.mask,
+        scale=scale,
+        enable_gqa=k.shape[1] != num_heads,
+    )  # [B, H, 1, D]
+    return out.view(bsz, num_heads, head_dim).to(q.dtype)

@@ -1,0 +1,118 @@
+"""Paged extend (prefill) attention: new tokens attend to the entry's cached prefix
+and causally to each other.
+
+Theory of operation: entry b has num_new[b] new tokens at positions
+seq_len[b] - num_new[b] .. seq_len[b] - 1; new token i sees keys 0..prefix+i. An
+entry without a cached prefix attends over its own new K/V directly (causal SDPA, no
+gather); one with a prefix gathers its slot table from the pool (the new tokens' K/V
+were stored first) and uses a [num_new, seq_len] mask built once in `plan_extend` and
+shared by all layers.
+
+Invariants: q, k, v rows are the entries' new tokens concatenated in entry order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ExtendPlan:
+    num_new_tokens: list[int]
+    seq_lens: list[int]
+    q_starts: list[int]  # first row of each entry in the concatenated tokens
+    slot_tables: list[torch.Tensor]  # per entry [seq_len] int64
+    masks: list[torch.Tensor | None]  # per entry [num_new, seq_len] bool, None = plain causal
+
+
+def _mask(num_new: int, seq_len: int, sliding_window: int | None) -> torch.Tensor:
+    prefix = seq_len - num_new
+    qpos = torch.arange(num_new, dtype=torch.int64)[:, None] + prefix
+    kpos = torch.arange(seq_len, dtype=torch.int64)[None, :]
+    mask = kpos <= qpos
+    if sliding_window is not None:
+        mask &= kpos > qpos - sliding_window
+    return mask
+
+
+def plan_extend(
+    num_new_tokens: list[int],
+    seq_lens: list[int],
+    slot_tables: list[torch.Tensor],
+    *,
+    device: torch.device | str = "cpu",
+    sliding_window: int | None = None,
+) -> ExtendPlan:
+    q_starts, masks, start = [], [], 0
+    for n, s in zip(num_new_tokens, seq_lens, strict=True):
+        if n < 1 or s < n:
+            raise ValueError(f"bad extend entry: {n} new tokens, seq_len {s}")
+        q_starts.append(start)
+        start += n
+        windowed = sliding_window is not None and s > sliding_window
+        masks.append(_mask(n, s, sliding_window).to(device) if (s > n or windowed) else None)
+    return ExtendPlan(list(num_new_tokens), list(seq_lens), q_starts, list(slot_tables), masks)
+
+
+def attention_extend_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_new_tokens: list[int],
+    slot_tables: list[torch.Tensor],
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Explicit float32 softmax over the pool, entry by entry (K/V already stored)."""
+    out = torch.empty_like(q)
+    start = 0
+    for n, slots in zip(num_new_tokens, slot_tables, strict=True):
+        s = slots.shape[0]
+        k = k_cache[slots].float()
+        v = v_cache[slots].float()
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, 1)
+        v = v.repeat_interleave(rep, 1)
+        scores = torch.einsum("thd,lhd->htl", q[start : start + n].float(), k) * scale
+        allowed = _mask(n, s, sliding_window)
+        scores = scores.masked_fill(~allowed[None], float("-inf"))
+        out[start : start + n] = torch.einsum("htl,lhd->thd", scores.softmax(-1), v).to(q.dtype)
+        start += n
+    return out
+
+
+def attention_extend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: ExtendPlan,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D] (this step's new tokens, already in the pool);
+    k_cache, v_cache: [num_slots, Hkv, D] -> [T, H, D]."""
+    num_heads = q.shape[1]
+    gqa = k.shape[1] != num_heads
+    out = torch.empty_like(q)
+    for n, start, slots, mask in zip(
+        plan.num_new_tokens, plan.q_starts, plan.slot_tables, plan.masks, strict=True
+    ):
+        qe = q[start : start + n].transpose(0, 1)[None]  # [1, H, n, D]
+        if mask is None:
+            ke = k[start : start + n].transpose(0, 1)[None]  # [1, Hkv, n, D]
+            ve = v[start : start + n].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(
+                qe, ke, ve, is_causal=True, scale=scale, enable_gqa=gqa
+            )
+        else:
+            ke = k_cache[slots].transpose(0, 1)[None]  # [1, Hkv, seq_len, D]
+            ve = v_cache[slots].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(
+                qe.to(ke.dtype), ke, ve, attn_mask=mask, scale=scale, enable_gqa=gqa
+            )
+        out[start : start + n] = o[0].transpose(0, 1).to(q.dtype)
+    return out

@@ -1,0 +1,100 @@
+"""Rotary position embedding (half-rotated "neox" layout, as HF Llama), with Llama 3.1
+and linear frequency scaling.
+
+Theory of operation: dimension i of a head (i < D/2) is paired with i + D/2 and the
+pair is rotated by angle pos * inv_freq[i]. `rope_cos_sin_cache` precomputes
+cos/sin for positions [0, max_pos) as one [max_pos, D] float32 table (cos in the
+first half, sin in the second); `apply_rope` looks rows up by position. The table
+is computed exactly as HF computes its angles (float32 position * float32 inv_freq),
+so float32 results agree with HF bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: object | None = None) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies. `scaling` is a RopeScaling (or None)."""
+    idx = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32)
+    inv_freq = 1.0 / (theta ** (idx / head_dim))
+    if scaling is None:
+        return inv_freq
+    kind = scaling.rope_type
+    if kind == "linear":
+        return inv_freq / scaling.factor
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope scaling {kind!r}")
+    factor, lo, hi = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+    old_ctx = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_ctx / lo
+    high_freq_wavelen = old_ctx / hi
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin_cache(
+    head_dim: int, max_pos: int, theta: float, scaling: object | None = None
+) -> torch.Tensor:
+    """[max_pos, head_dim] float32: cos of the angles in [:, :D/2], sin in [:, D/2:]."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling)
+    pos = torch.arange(max_pos, dtype=torch.int64).to(torch.float32)
+    freqs = pos[:, None] * inv_freq[None, :]  # [max_pos, D/2]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def apply_rope_ref(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's formulation: x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)."""
+    half = cos_sin_cache.shape[-1] // 2
+    cs = cos_sin_cache[positions]  # [T, D]
+    cos = torch.cat([cs[:, :half], cs[:, :half]], -1)[:, None, :]
+    sin = torch.cat([cs[:, half:], cs[:, half:]], -1)[:, None, :]
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([-x2, x1], dim=-1)
+
+    qf, kf = q.float(), k.float()
+    return (
+        (qf * cos + rot(qf) * sin).to(q.dtype),
+        (kf * cos + rot(kf) * sin).to(k.dtype),
+    )
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, H, D]; cos, sin: [T, 1, D/2] in x's dtype
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty_like(x)
+    torch.mul(x1, cos, out=out[..., :half])
+    out[..., :half] -= x2 * sin
+    torch.mul(x2, cos, out=out[..., half:])
+    out[..., half:] += x1 * sin
+    return out
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, H, D] and k [T, Hkv, D] at positions [T] int64; returns new tensors.
+    cos_sin_cache: [max_pos, D] float32 from `rope_cos_sin_cache` (on q's device)."""
+    if positions.numel() and int(positions.max()) >= cos_sin_cache.shape[0]:
+        raise ValueError(
+            f"position {int(positions.max())} beyond the rope table ({cos_sin_cache.shape[0]})"
+        )
+    half = cos_sin_cache.shape[-1] // 2
+    cs = cos_sin_cache.index_select(0, positions)  # [T, D] float32
+    if q.dtype != torch.float32:
+        # Rotate in float32 and round once, as HF does.
+        cos, sin = cs[:, None, :half], cs[:, None, half:]
+        return _rotate(q.float(), cos, sin).to(q.dtype), _rotate(k.float(), cos, sin).to(k.dtype)
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)

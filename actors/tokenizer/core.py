@@ -1,0 +1,341 @@
+"""Tokenizer core: requests in as token ids, tokens out as text.
+
+Theory of operation
+-------------------
+Inbound, a `GenerateRequest` (text, ids or a chat conversation) becomes `Tokenized`:
+the chat template is applied, text is encoded, the prompt is checked against the
+vocabulary and the context length, and the model's eos ids join `stop_token_ids`
+(unless `ignore_eos`; the scheduler checks ids). A request that cannot run becomes
+`RequestFailed` (http 400) and nothing else.
+
+Outbound, each `TokensOut` (one scheduler step) becomes one `TextDeltas`. Every running
+request owns an incremental detokenizer and a stop-string matcher (detok.py). When a stop
+string matches, the request's last delta carries finish_reason "stop" and the matched
+string, and an `AbortRequest(reason="stop_string")` tells the scheduler to stop it; the
+scheduler's later outputs for it are dropped. A finished request whose stop was a token
+id has that token's text trimmed unless `no_stop_trim`.
+
+`TokenizeQuery` / `DetokenizeQuery` from the gateway are answered directly.
+
+Invariants
+----------
+- Every `GenerateRequest` gets exactly one answer: `Tokenized` or `RequestFailed`.
+- Every request that produced a delta gets exactly one delta with a finish_reason,
+  unless it was aborted from outside (the gateway ends those itself).
+- Delta text is never cut inside a UTF-8 character and never holds (part of) a stop
+  string unless `no_stop_trim`.
+- No clock, environment or randomness: outputs are a function of the inputs.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import msgspec
+
+from shunter.actors.tokenizer.chat import ChatTemplateError
+from shunter.actors.tokenizer.config import TokenizerConfig
+from shunter.actors.tokenizer.detok import IncrementalDetokenizer, StopStringMatcher
+from shunter.actors.tokenizer.loading import TextCodec
+from shunter.bus.messages import (
+    AbortRequest,
+    ActorDied,
+    DetokenizeQuery,
+    DetokenizeReply,
+    FinishReason,
+    GenerateRequest,
+    Msg,
+    RequestFailed,
+    RequestOutput,
+    TextDelta,
+    TextDeltas,
+    Tokenized,
+    TokenizeQuery,
+    TokenizeReply,
+    TokensOut,
+    TopLogprob,
+)
+
+Inbox = (
+    GenerateRequest | TokensOut | AbortRequest | RequestFailed | ActorDied | TokenizeQuery
+    | DetokenizeQuery
+)  # fmt: skip
+INBOX_TYPES = (
+    GenerateRequest, TokensOut, AbortRequest, RequestFailed, ActorDied, TokenizeQuery,
+    DetokenizeQuery,
+)  # fmt: skip
+
+# Requests ended by a stop string whose final scheduler output has not arrived yet; the
+# bound keeps a scheduler that never reports them from growing this without limit.
+MAX_REMEMBERED_STOPPED = 65536
+
+
+class TokenizerStats(msgspec.Struct, frozen=True):
+    num_active: int  # requests with detokenization state
+    num_tokenized: int
+    num_rejected: int  # GenerateRequests answered with RequestFailed
+    num_finished: int
+    num_stop_string_matches: int
+    num_output_tokens: int
+    num_queries: int  # tokenize / detokenize queries answered
+
+
+class _Active:
+    """Output state of one running request."""
+
+    __slots__ = (
+        "detok", "first", "num_output_tokens", "num_prompt_tokens", "prompt_ids", "sampling",
+        "stops",
+    )  # fmt: skip
+
+    def __init__(self, detok, stops, sampling, num_prompt_tokens, prompt_ids) -> None:
+        self.detok: IncrementalDetokenizer = detok
+        self.stops: StopStringMatcher = stops
+        self.sampling = sampling
+        self.num_prompt_tokens: int = num_prompt_tokens
+        self.num_output_tokens = 0
+        self.first = True
+        self.prompt_ids: list[int] = prompt_ids  # kept only when prompt logprobs are asked
+
+
+class _Invalid(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class TokenizerCore:
+    def __init__(self, codec: TextCodec, config: TokenizerConfig) -> None:
+        self.codec = codec
+        self.config = config
+        self.context_len = config.context_len or codec.context_len
+        self._active: dict[str, _Active] = {}
+        self._stopped: OrderedDict[str, None] = OrderedDict()
+        self._num_tokenized = self._num_rejected = self._num_finished = 0
+        self._num_stop_matches = self._num_output_tokens = self._num_queries = 0
+
+    def handle(self, msg: Msg) -> list[Msg]:
+        match msg:
+            case GenerateRequest():
+                return [self._tokenize_request(msg)]
+            case TokensOut():
+                return self._detokenize_step(msg)
+            case AbortRequest() | RequestFailed():
+                # Ended from outside (client, admin, another actor): its text is moot.
+                self._active.pop(msg.request_id, None)
+                return []
+            case ActorDied():
+                # The gateway fails every in-flight request; their state is garbage now.
+                self._active.clear()
+                self._stopped.clear()
+                return []
+            case TokenizeQuery():
+                return [self._answer_tokenize(msg)]
+            case DetokenizeQuery():
+                return [self._answer_detokenize(msg)]
+        return []
+
+    def statistics(self) -> TokenizerStats:
+        return TokenizerStats(
+            len(self._active), self._num_tokenized, self._num_rejected, self._num_finished,
+            self._num_stop_matches, self._num_output_tokens, self._num_queries,
+        )  # fmt: skip
+
+    # -- inbound -------------------------------------------------------------------------
+
+    def _prompt_ids(self, req: GenerateRequest | TokenizeQuery) -> list[int]:
+        given = [x is not None for x in (req.text, getattr(req, "input_ids", None), req.messages)]
+        if sum(given) != 1:
+            raise _Invalid("invalid_request", "give exactly one of text, input_ids, messages")
+        if req.messages is not None:
+            if not req.messages:
+                raise _Invalid("invalid_request", "messages must not be empty")
+            try:
+                text = self.codec.render_chat(
+                    req.messages, add_generation_prompt=req.add_generation_prompt
+                )
+            except ChatTemplateError as e:
+                raise _Invalid("invalid_request", str(e)) from None
+            return self.codec.encode(text, add_special_tokens=False)
+        if req.text is not None:
+            add_special = getattr(req, "add_special_tokens", True)
+            return self.codec.encode(req.text, add_special_tokens=add_special)
+        ids = list(req.input_ids)  # type: ignore[union-attr]
+        bad = [i for i in ids if not 0 <= i < self.codec.vocab_size]
+        if bad:
+            raise _Invalid(
+                "invalid_request",
+                f"input_ids holds {len(bad)} id(s) outside the vocabulary "
+                f"[0, {self.codec.vocab_size}), first {bad[0]}",
+            )
+        return ids
+
+    def _tokenize_request(self, req: GenerateRequest) -> Msg:
+        try:
+            return self._tokenize_checked(req)
+        except _Invalid as e:
+            self._num_rejected += 1
+            return RequestFailed(req.request_id, e.code, e.message, 400)
+
+    def _tokenize_checked(self, req: GenerateRequest) -> Tokenized:
+        if req.request_id in self._active:
+            raise _Invalid("invalid_request", f"request id {req.request_id!r} is already running")
+        sp = req.sampling
+        if len(sp.stop) > self.config.max_stop_strings:
+            raise _Invalid(
+                "invalid_request",
+                f"{len(sp.stop)} stop strings; at most {self.config.max_stop_strings}",
+            )
+        if any(not s for s in sp.stop):
+            raise _Invalid("invalid_request", "stop strings must not be empty")
+        if any(len(s) > self.config.max_stop_len_chars for s in sp.stop):
+            raise _Invalid(
+                "invalid_request",
+                f"stop strings are limited to {self.config.max_stop_len_chars} characters",
+            )
+        ids = self._prompt_ids(req)
+        n, ctx = len(ids), self.context_len
+        if n == 0:
+            raise _Invalid("invalid_request", "the prompt is empty (0 tokens)")
+        if n >= ctx:
+            raise _Invalid(
+                "context_length_exceeded",
+                f"the prompt is {n} tokens long, but this model's context length is {ctx} "
+                "tokens and the prompt must leave room for at least one output token",
+            )
+        max_new = sp.max_new_tokens
+        if n + max_new > ctx:
+            if not req.clamp_max_new_tokens:
+                raise _Invalid(
+                    "context_length_exceeded",
+                    f"this model's context length is {ctx} tokens, but {n + max_new} were "
+                    f"requested ({n} in the prompt and {max_new} for the output); reduce the "
+                    "prompt or max_tokens",
+                )
+            max_new = ctx - n
+        stop_ids = list(sp.stop_token_ids)
+        if not sp.ignore_eos:
+            stop_ids += [e for e in self.codec.eos_token_ids if e not in stop_ids]
+        sampling = msgspec.structs.replace(sp, max_new_tokens=max_new, stop_token_ids=stop_ids)
+        num_ctx = self.config.num_prompt_context_tokens
+        ctx_ids = ids[-num_ctx:] if num_ctx else []
+        self._active[req.request_id] = _Active(
+            IncrementalDetokenizer(
+                self.codec,
+                ctx_ids,
+                skip_special_tokens=sp.skip_special_tokens,
+                spaces_between_special_tokens=sp.spaces_between_special_tokens,
+            ),
+            StopStringMatcher(sp.stop, no_stop_trim=sp.no_stop_trim),
+            sampling,
+            n,
+            ids if sp.logprob_start_len >= 0 else [],
+        )
+        self._num_tokenized += 1
+        return Tokenized(
+            req.request_id, ids, sampling, req.priority, req.extra_key, req.arrival_ns, req.stream
+        )
+
+    # -- outbound ------------------------------------------------------------------------
+
+    def _detokenize_step(self, msg: TokensOut) -> list[Msg]:
+        deltas: list[TextDelta] = []
+        aborts: list[Msg] = []
+        for out in msg.outputs:
+            state = self._active.get(out.request_id)
+            if state is None:
+                if out.finish_reason is not None:
+                    self._stopped.pop(out.request_id, None)
+                continue
+            delta, matched = self._delta(state, out)
+            deltas.append(delta)
+            if delta.finish_reason is not None:
+                del self._active[out.request_id]
+                self._num_finished += 1
+                if matched is not None and out.finish_reason is None:
+                    aborts.append(AbortRequest(out.request_id, "stop_string", matched))
+                    self._remember_stopped(out.request_id)
+        return ([TextDeltas(deltas)] if deltas else []) + aborts
+
+    def _remember_stopped(self, request_id: str) -> None:
+        self._stopped[request_id] = None
+        while len(self._stopped) > MAX_REMEMBERED_STOPPED:
+            self._stopped.popitem(last=False)
+
+    def _delta(self, state: _Active, out: RequestOutput) -> tuple[TextDelta, str | None]:
+        sp = state.sampling
+        ids = out.token_ids
+        state.num_output_tokens += len(ids)
+        self._num_output_tokens += len(ids)
+        finished = out.finish_reason is not None
+        text_ids = ids
+        if (
+            out.finish_reason == FinishReason.STOP
+            and isinstance(out.matched_stop, int)
+            and not sp.no_stop_trim
+            and ids
+            and ids[-1] == out.matched_stop
+        ):
+            text_ids = ids[:-1]  # the stop token's own text is not part of the output
+        chunk = state.detok.push(text_ids)
+        if finished:
+            chunk += state.detok.flush()
+        matched: str | None = None
+        if sp.stop and state.num_output_tokens >= sp.min_new_tokens:
+            text, matched = state.stops.push(chunk, final=finished)
+        else:  # no stop strings, or too early for them to count: release everything
+            text, state.stops.pending = state.stops.pending + chunk, ""
+        finish_reason = out.finish_reason
+        matched_stop: int | str | None = out.matched_stop
+        if matched is not None:
+            finish_reason, matched_stop = FinishReason.STOP, matched
+            self._num_stop_matches += 1
+        want_lp = sp.return_logprob or sp.top_logprobs_num > 0
+        top = (
+            [[TopLogprob(t.token_id, t.logprob, self.codec.token_text(t.token_id)) for t in row]
+             for row in out.top_logprobs]
+            if out.top_logprobs else []
+        )  # fmt: skip
+        first = state.first
+        state.first = False
+        prompt_ids = state.prompt_ids if first else []
+        return TextDelta(
+            out.request_id,
+            text,
+            list(ids),
+            logprobs=list(out.logprobs),
+            top_logprobs=top,
+            prompt_logprobs=list(out.prompt_logprobs),
+            finish_reason=finish_reason,
+            matched_stop=matched_stop,
+            num_prompt_tokens=out.num_prompt_tokens or state.num_prompt_tokens,
+            num_completion_tokens=state.num_output_tokens,
+            num_cached_tokens=out.num_cached_tokens,
+            token_texts=[self.codec.token_text(i) for i in ids] if want_lp else [],
+            prompt_token_ids=prompt_ids,
+            prompt_token_texts=[self.codec.token_text(i) for i in prompt_ids],
+        ), matched
+
+    # -- queries -------------------------------------------------------------------------
+
+    def _answer_tokenize(self, q: TokenizeQuery) -> TokenizeReply:
+        self._num_queries += 1
+        try:
+            ids = self._prompt_ids(q)
+        except _Invalid as e:
+            return TokenizeReply(q.query_id, error=e.message, max_model_len=self.context_len)
+        return TokenizeReply(q.query_id, ids, self.context_len)
+
+    def _answer_detokenize(self, q: DetokenizeQuery) -> DetokenizeReply:
+        self._num_queries += 1
+        bad = [i for i in q.tokens if not 0 <= i < self.codec.vocab_size]
+        if bad:
+            return DetokenizeReply(
+                q.query_id,
+                error=f"token id {bad[0]} is outside the vocabulary [0, {self.codec.vocab_size})",
+            )
+        text = self.codec.decode(
+            q.tokens, skip_special_tokens=q.skip_special_tokens, spaces_between_special_tokens=False
+        )
+        return DetokenizeReply(q.query_id, text)

@@ -1,0 +1,137 @@
+"""Incremental detokenization and stop-string matching, one request at a time.
+
+Theory of operation
+-------------------
+Detokenizer (the prefix-offset method): keep every id seen; `prefix_offset..read_offset`
+is a window of ids whose text was already emitted. For new ids, decode the window and
+the window plus the new ids; the new text is the difference. When the longer decode
+ends in U+FFFD (a multi-byte character split across tokens) nothing is emitted and the
+offsets stay, so the bytes complete on a later token. A few prompt tokens seed the
+window, so decoders that drop a piece's leading space see it in context.
+
+Stop strings: text that has been decoded but not yet sent is held in `pending`. After
+each chunk the pending text is searched for every stop string (earliest match wins);
+without a match, the longest suffix of the pending text that could still begin a stop
+string is held back and the rest is released.
+
+Invariants
+----------
+- Released text never ends inside a UTF-8 character (except at `flush`, where whatever
+  is left is released: the request is over).
+- A stop string can only start inside `pending`: any earlier start would have made a
+  longer suffix a prefix of that stop string, and it would have been held.
+- Text released before a stop match plus the final chunk equals the decoded output cut
+  at the match (plus the stop string itself when `no_stop_trim`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class Decoder(Protocol):
+    def decode(
+        self,
+        ids: Sequence[int],
+        *,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output ids into text chunks that end on whole characters."""
+
+    def __init__(
+        self,
+        decoder: Decoder,
+        context_ids: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
+        self._decoder = decoder
+        self._skip = skip_special_tokens
+        self._spaces = spaces_between_special_tokens
+        ctx = list(context_ids)
+        # A context that itself ends mid-character would corrupt the first difference.
+        if ctx and REPLACEMENT_CHAR in self._decode(ctx):
+            ctx = []
+        self._ids: list[int] = ctx
+        self._prefix_offset = 0
+        self._read_offset = len(ctx)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._decoder.decode(
+            ids, skip_special_tokens=self._skip, spaces_between_special_tokens=self._spaces
+        )
+
+    @property
+    def num_held_ids(self) -> int:
+        """Ids received whose text has not been released yet."""
+        return len(self._ids) - self._read_offset
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        """Add ids; return the newly completed text (possibly "")."""
+        self._ids.extend(new_ids)
+        return self._step(final=False)
+
+    def flush(self) -> str:
+        """The request is over: release whatever is held, partial characters included."""
+        return self._step(final=True)
+
+    def _step(self, *, final: bool) -> str:
+        if self._read_offset == len(self._ids):
+            return ""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if not final and (len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR)):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return new_text[len(prefix_text) :]
+
+
+class StopStringMatcher:
+    """Finds stop strings in streamed text and holds back what could begin one."""
+
+    def __init__(self, stops: Sequence[str], *, no_stop_trim: bool = False) -> None:
+        self._stops = [s for s in stops if s]
+        self._no_trim = no_stop_trim
+        self._max_len = max((len(s) for s in self._stops), default=0)
+        self.pending = ""
+
+    def push(self, chunk: str, *, final: bool = False) -> tuple[str, str | None]:
+        """Add text; return (text to release, the stop string that matched or None).
+        After a match the request is over: the caller stops pushing."""
+        buf = self.pending + chunk
+        if not self._stops:
+            self.pending = ""
+            return buf, None
+        best_pos, best = -1, None
+        for s in self._stops:
+            pos = buf.find(s)
+            if pos >= 0 and (
+                best is None or pos < best_pos or (pos == best_pos and len(s) > len(best))
+            ):
+                best_pos, best = pos, s
+        if best is not None:
+            self.pending = ""
+            end = best_pos + len(best) if self._no_trim else best_pos
+            return buf[:end], best
+        if final:
+            self.pending = ""
+            return buf, None
+        hold = self._held_suffix_len(buf)
+        self.pending = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold], None
+
+    def _held_suffix_len(self, buf: str) -> int:
+        for k in range(min(len(buf), self._max_len - 1), 0, -1):
+            tail = buf[-k:]
+            if any(s.startswith(tail) for s in self._stops):
+                return k
+        return 0

@@ -1,0 +1,204 @@
+"""TokenizerCore on the real SmolLM2 tokenizer: inbound checks, chat template, deltas,
+stop strings and stop tokens, queries."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from shunter.actors.tokenizer.config import TokenizerConfig
+from shunter.actors.tokenizer.core import TokenizerCore
+from shunter.bus.messages import (
+    AbortRequest,
+    ChatMessage,
+    DetokenizeQuery,
+    DetokenizeReply,
+    GenerateRequest,
+    RequestFailed,
+    RequestOutput,
+    SamplingParams,
+    TextDeltas,
+    Tokenized,
+    TokenizeQuery,
+    TokenizeReply,
+    TokensOut,
+    TopLogprob,
+)
+
+
+@pytest.fixture
+def core(codec):
+    return TokenizerCore(codec, TokenizerConfig(context_len=256))
+
+
+def _gen(rid="r", **kw):
+    sampling = SamplingParams(**kw.pop("sampling", {}))
+    return GenerateRequest(rid, sampling, **kw)
+
+
+def _tokens(rid, ids, step=0, **kw):
+    return TokensOut(step, [RequestOutput(rid, list(ids), **kw)])
+
+
+def _feed(core, rid, ids, finish_at_end=None, matched=None):
+    """Send ids one per step; return (all deltas, all other messages)."""
+    deltas, other = [], []
+    for k, i in enumerate(ids):
+        last = k == len(ids) - 1
+        fr = finish_at_end if last else None
+        outs = core.handle(
+            _tokens(rid, [i], k, finish_reason=fr, matched_stop=matched if last else None)
+        )
+        for m in outs:
+            (deltas.extend(m.deltas) if isinstance(m, TextDeltas) else other.append(m))
+    return deltas, other
+
+
+def test_chat_template_matches_reference(codec, reference):
+    core = TokenizerCore(codec, TokenizerConfig())
+    for p in reference["prompts"]:
+        if not p["chat_templated"]:
+            continue
+        msgs = [ChatMessage("user", p["prompt"])]
+        assert codec.render_chat(msgs, add_generation_prompt=True) == p["templated_text"]
+        (tok,) = core.handle(_gen(p["name"], messages=msgs))
+        assert isinstance(tok, Tokenized)
+        assert tok.input_ids == p["input_ids"], p["name"]
+
+
+def test_reference_output_ids_detokenize_to_reference_text(codec, reference):
+    core = TokenizerCore(codec, TokenizerConfig())
+    p = reference["prompts"][0]
+    core.handle(_gen("ref", messages=[ChatMessage("user", p["prompt"])]))
+    deltas, _ = _feed(core, "ref", p["output_ids"], finish_at_end="length")
+    assert "".join(d.text for d in deltas) == p["output_text"]
+    assert deltas[-1].finish_reason == "length"
+    assert deltas[-1].num_completion_tokens == len(p["output_ids"])
+    assert deltas[-1].num_prompt_tokens == len(p["input_ids"])
+    assert core.statistics().num_active == 0
+
+
+def test_eos_joins_stop_token_ids_unless_ignore_eos(core):
+    (t,) = core.handle(_gen("a", text="hello", sampling={"stop_token_ids": [7]}))
+    assert t.sampling.stop_token_ids == [7, 2]
+    (t,) = core.handle(_gen("b", text="hello", sampling={"ignore_eos": True}))
+    assert t.sampling.stop_token_ids == []
+
+
+@pytest.mark.parametrize(
+    ("req", "code", "words"),
+    [
+        (_gen(text=""), "invalid_request", "empty"),
+        (_gen(input_ids=[]), "invalid_request", "empty"),
+        (_gen(input_ids=[1, 49152]), "invalid_request", "outside the vocabulary"),
+        (_gen(input_ids=[-1]), "invalid_request", "outside the vocabulary"),
+        (_gen(text="a", input_ids=[1]), "invalid_request", "exactly one"),
+        (_gen(), "invalid_request", "exactly one"),
+        (_gen(input_ids=[5] * 256), "context_length_exceeded", "256 tokens long"),
+        (
+            _gen(input_ids=[5] * 10, sampling={"max_new_tokens": 250}),
+            "context_length_exceeded",
+            "260 were",
+        ),
+        (_gen(text="x", sampling={"stop": [""]}), "invalid_request", "stop strings"),
+        (_gen(messages=[]), "invalid_request", "messages"),
+    ],
+)
+def test_invalid_requests_fail_with_a_clear_reason(core, req, code, words):
+    (out,) = core.handle(req)
+    assert isinstance(out, RequestFailed)
+    assert out.request_id == req.request_id
+    assert (out.code, out.http_status) == (code, 400)
+    assert words in out.message
+    assert core.statistics().num_rejected == 1
+    assert core.statistics().num_active == 0
+
+
+def test_clamp_shortens_max_new_tokens_to_fit(core):
+    req = msgspec.structs.replace(
+        _gen(input_ids=[5] * 10, sampling={"max_new_tokens": 300}), clamp_max_new_tokens=True
+    )
+    (t,) = core.handle(req)
+    assert isinstance(t, Tokenized)
+    assert t.sampling.max_new_tokens == 246
+
+
+def test_stop_string_across_tokens_is_trimmed_and_aborts(codec, core):
+    text = "1. Stay hydrated: Drink plenty of water"
+    ids = codec.encode(text)
+    core.handle(_gen("s", text="q", sampling={"stop": ["plenty of"]}))
+    deltas, other = _feed(core, "s", ids)
+    assert "".join(d.text for d in deltas) == "1. Stay hydrated: Drink "
+    last = deltas[-1]
+    assert (last.finish_reason, last.matched_stop) == ("stop", "plenty of")
+    assert other == [AbortRequest("s", "stop_string", "plenty of")]
+    # The stop string spans tokens; no delta before the match leaked its start.
+    assert all("plen" not in d.text for d in deltas)
+    # The scheduler's own late outputs for the request are dropped.
+    assert core.handle(_tokens("s", [5], 99)) == []
+    assert core.handle(_tokens("s", [5], 100, finish_reason="abort")) == []
+    assert core.statistics().num_stop_string_matches == 1
+
+
+def test_stop_string_no_trim_keeps_it(codec, core):
+    core.handle(_gen("s", text="q", sampling={"stop": ["water"], "no_stop_trim": True}))
+    deltas, _ = _feed(core, "s", codec.encode("Drink water now"))
+    assert "".join(d.text for d in deltas) == "Drink water"
+    assert deltas[-1].matched_stop == "water"
+
+
+def test_stop_string_ignored_before_min_new_tokens(codec, core):
+    core.handle(_gen("s", text="q", sampling={"stop": ["a"], "min_new_tokens": 100}))
+    ids = codec.encode("a a a")
+    deltas, other = _feed(core, "s", ids, finish_at_end="length")
+    assert "".join(d.text for d in deltas) == "a a a"
+    assert other == []
+
+
+def test_stop_token_id_text_is_trimmed(codec, core):
+    ids = [*codec.encode("bye"), 2]
+    core.handle(_gen("t", text="q", sampling={"skip_special_tokens": False}))
+    deltas, _ = _feed(core, "t", ids, finish_at_end="stop", matched=2)
+    assert "".join(d.text for d in deltas) == "bye"
+    assert (deltas[-1].finish_reason, deltas[-1].matched_stop) == ("stop", 2)
+    core.handle(_gen("u", text="q", sampling={"skip_special_tokens": False, "no_stop_trim": True}))
+    deltas, _ = _feed(core, "u", ids, finish_at_end="stop", matched=2)
+    assert "".join(d.text for d in deltas) == "bye <|im_end|>"  # spaces_between_special_tokens
+
+
+def test_logprob_texts_are_filled(codec, core):
+    core.handle(_gen("l", text="q", sampling={"return_logprob": True, "top_logprobs_num": 2}))
+    hi = codec.encode("Hi")[0]
+    out = RequestOutput(
+        "l", [hi], logprobs=[-0.5], top_logprobs=[[TopLogprob(hi, -0.5), TopLogprob(2, -1.0)]]
+    )
+    (deltas,) = core.handle(TokensOut(0, [out]))
+    (d,) = deltas.deltas
+    assert d.token_texts == ["Hi"]
+    assert [(t.token_id, t.text) for t in d.top_logprobs[0]] == [(hi, "Hi"), (2, "<|im_end|>")]
+    assert d.logprobs == [-0.5]
+
+
+def test_external_abort_forgets_the_request(codec, core):
+    core.handle(_gen("x", text="q"))
+    assert core.statistics().num_active == 1
+    assert core.handle(AbortRequest("x", "disconnect")) == []
+    assert core.statistics().num_active == 0
+    assert core.handle(_tokens("x", [5], finish_reason="abort")) == []
+
+
+def test_duplicate_running_request_id_is_refused(core):
+    assert isinstance(core.handle(_gen("d", text="a"))[0], Tokenized)
+    (f,) = core.handle(_gen("d", text="b"))
+    assert isinstance(f, RequestFailed) and "already running" in f.message
+
+
+def test_tokenize_and_detokenize_queries(codec, core):
+    (r,) = core.handle(TokenizeQuery("q1", text="hello world"))
+    assert r == TokenizeReply("q1", codec.encode("hello world"), 256)
+    (r,) = core.handle(TokenizeQuery("q2", messages=[ChatMessage("user", "hi")]))
+    assert r.tokens[0] == 1 and r.error == ""
+    (r,) = core.handle(DetokenizeQuery("q3", r.tokens))
+    assert isinstance(r, DetokenizeReply) and "<|im_start|>user\nhi<|im_end|>" in r.text
+    (r,) = core.handle(DetokenizeQuery("q4", [10**6]))
+    assert "outside the vocabulary" in r.error

@@ -1,0 +1,105 @@
+"""Incremental detokenization and stop strings, on the real SmolLM2 tokenizer."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shunter.actors.tokenizer.detok import (
+    REPLACEMENT_CHAR,
+    IncrementalDetokenizer,
+    StopStringMatcher,
+)
+
+MIXED = "héllo 😀 wörld — 日本語のテキスト 🎉🎉 ok"
+
+
+def _stream(codec, ids, chunk_sizes):
+    d = IncrementalDetokenizer(codec)
+    out, i = [], 0
+    for n in chunk_sizes:
+        out.append(d.push(ids[i : i + n]))
+        i += n
+    out.append(d.push(ids[i:]))
+    out.append(d.flush())
+    return out
+
+
+def test_emoji_split_across_tokens_is_held_until_complete(codec):
+    ids = codec.encode("a 😀 b")
+    # The emoji is more than one token: its first piece alone is not a whole character.
+    pieces = [codec.decode([i]) for i in ids]
+    assert any(REPLACEMENT_CHAR in p for p in pieces), pieces
+    chunks = _stream(codec, ids, [1] * len(ids))
+    assert all(REPLACEMENT_CHAR not in c for c in chunks), chunks
+    assert "".join(chunks) == "a 😀 b"
+    # Some step released nothing: the bytes were held back, not emitted broken.
+    assert "" in chunks[:-2]
+
+
+def test_one_token_at_a_time_reassembles_exactly(codec):
+    ids = codec.encode(MIXED)
+    chunks = _stream(codec, ids, [1] * len(ids))
+    assert "".join(chunks) == codec.decode(ids) == MIXED
+    assert all(REPLACEMENT_CHAR not in c for c in chunks)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(text=st.text(min_size=1, max_size=40), sizes=st.lists(st.integers(1, 4), max_size=30))
+def test_any_chunking_reassembles_the_full_decode(codec, text, sizes):
+    ids = codec.encode(text)
+    chunks = _stream(codec, ids, sizes)
+    assert "".join(chunks) == codec.decode(ids)
+    full = codec.decode(ids)
+    if REPLACEMENT_CHAR not in full:
+        assert all(REPLACEMENT_CHAR not in c for c in chunks)
+
+
+def test_truncated_character_is_released_at_flush(codec):
+    ids = codec.encode("x😀")
+    d = IncrementalDetokenizer(codec)
+    text = d.push(ids[:-1])
+    assert REPLACEMENT_CHAR not in text
+    assert d.num_held_ids >= 1
+    tail = d.flush()
+    assert REPLACEMENT_CHAR in tail  # the request ended mid-character: show what is there
+
+
+def test_prompt_context_is_not_emitted(codec):
+    prompt = codec.encode("The answer is")
+    out = codec.encode(" forty two")
+    d = IncrementalDetokenizer(codec, prompt[-3:])
+    assert d.push(out) + d.flush() == " forty two"
+
+
+def test_spaces_between_special_tokens(codec):
+    ids = [*codec.encode("hi"), 2, *codec.encode("there")]
+    joined = codec.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=True)
+    tight = codec.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert joined == "hi <|im_end|> there"
+    assert tight == "hi<|im_end|>there"
+    assert codec.decode(ids, skip_special_tokens=True) == "hithere"
+
+
+def test_stop_matcher_holds_back_a_possible_start():
+    m = StopStringMatcher(["STOP"])
+    assert m.push("abc ST") == ("abc ", None)
+    assert m.pending == "ST"
+    assert m.push("OX") == ("STOX", None)  # not a stop after all: released
+    assert m.push("xxSTO") == ("xx", None)
+    assert m.push("Pyy") == ("", "STOP")
+
+
+def test_stop_matcher_earliest_match_and_no_trim():
+    m = StopStringMatcher(["b", "ab"], no_stop_trim=True)
+    assert m.push("xxabyy") == ("xxab", "ab")
+    m = StopStringMatcher(["b", "ab"])
+    assert m.push("xxabyy") == ("xx", "ab")
+
+
+def test_stop_matcher_final_releases_held_text():
+    m = StopStringMatcher(["END"])
+    assert m.push("the EN") == ("the ", None)
+    assert m.push("", final=True) == ("EN", None)

@@ -1,0 +1,453 @@
+"""busctl: watch, record, inspect and replay the bus.
+
+    busctl tail [-t PREFIX]... [-r REQUEST_ID]... [--json]   live stream from a broker
+    busctl record DIR                                          record a live broker to DIR
+    busctl dump LOG [-t ...] [-r ...] [--json]                 a recorded log, rendered
+    busctl stats LOG [--json]                                  per topic / per publisher
+    busctl replay LOG --actor NAME                             exit 0 identical, 1 diverged
+
+A line is `time publisher#seq topic Type(fields)`: UTC wall time of the envelope, then
+the message without the fields still at their defaults. `-r ID` keeps messages with a
+field named request_id equal to ID (or to ID-<n>, the gateway's expansion of n > 1)
+anywhere inside them: TextDeltas.deltas, TokensOut.outputs, Matched.request included.
+Exit codes: 0 fine, 1 replay diverged, 2 bad input (a missing or corrupt log, an
+unknown actor, a broker that cannot be reached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+import msgspec
+import msgspec.inspect as mi
+
+from shunter.bus.log import LogCorrupt, LogDecodeError, LogReader, Record, decode_record
+from shunter.bus.messages import Envelope, Msg
+from shunter.bus.replay import as_named, get_core, import_registrations, render, replay
+
+_COLORS = {
+    "req": "32", "tok": "34", "cache": "33", "sched": "35", "spill": "36", "flip": "95",
+    "health": "90", "bus": "31",
+}  # fmt: skip
+_envelope_decoder = msgspec.msgpack.Decoder(Envelope)
+_json = msgspec.json.Encoder()
+
+
+# --- filtering and rendering -------------------------------------------------------
+
+
+@functools.cache
+def _has_request_id(cls: type) -> bool:
+    """Whether a Struct type holds a field named request_id at any depth."""
+    seen: set[type] = set()
+
+    def walk(t: mi.Type) -> bool:
+        match t:
+            case mi.StructType(cls=c, fields=fields):
+                if c in seen:
+                    return False
+                seen.add(c)
+                return any(f.name == "request_id" or walk(f.type) for f in fields)
+            case mi.ListType() | mi.VarTupleType() | mi.SetType() | mi.FrozenSetType():
+                return walk(t.item_type)
+            case mi.DictType():
+                return walk(t.value_type)
+            case mi.UnionType():
+                return any(walk(u) for u in t.types)
+            case mi.TupleType():
+                return any(walk(u) for u in t.item_types)
+        return False
+
+    return walk(mi.type_info(cls))
+
+
+def request_ids(obj: Any) -> Iterator[str]:
+    """Every request_id field value inside a message."""
+    if isinstance(obj, msgspec.Struct):
+        if not _has_request_id(type(obj)):
+            return
+        for f in obj.__struct_fields__:
+            value = getattr(obj, f)
+            if f == "request_id" and isinstance(value, str):
+                yield value
+            else:
+                yield from request_ids(value)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            yield from request_ids(v)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from request_ids(v)
+
+
+class Filter:
+    def __init__(self, prefixes: list[str] | None, rids: list[str] | None):
+        self.prefixes = tuple(prefixes or ())
+        self.rids = set(rids or ())
+
+    def wants_topic(self, topic: str) -> bool:
+        return not self.prefixes or topic.startswith(self.prefixes)
+
+    def wants(self, msg: Msg) -> bool:
+        if not self.rids:
+            return True
+        for rid in request_ids(msg):
+            if rid in self.rids:
+                return True
+            base, _, n = rid.rpartition("-")
+            if n.isdigit() and base in self.rids:
+                return True
+        return False
+
+
+class Renderer:
+    def __init__(self, out: TextIO, *, as_json: bool, color: bool, max_items: int | None):
+        self.out, self.as_json, self.color, self.max_items = out, as_json, color, max_items
+
+    def _c(self, code: str, text: str) -> str:
+        return f"\x1b[{code}m{text}\x1b[0m" if self.color else text
+
+    def line(self, topic: str, env: Envelope, msg: Msg | None, error: str = "") -> str:
+        if self.as_json:
+            obj: dict[str, Any] = {
+                "topic": topic, "publisher_id": env.publisher_id, "seq": env.seq,
+                "mono_ns": env.mono_ns, "wall_ns": env.wall_ns,
+            }  # fmt: skip
+            if msg is None:
+                obj["error"] = error
+            else:
+                obj["msg"] = as_named(msg)
+            return _json.encode(obj).decode()
+        ts = datetime.datetime.fromtimestamp(env.wall_ns / 1e9, tz=datetime.UTC)
+        body = render(msg, self.max_items) if msg is not None else f"<undecodable: {error}>"
+        color = _COLORS.get(topic.split(".", 1)[0], "0")
+        return " ".join(
+            (
+                self._c("2", ts.strftime("%H:%M:%S.%f")[:-3]),
+                self._c("36", f"{env.publisher_id}#{env.seq}"),
+                self._c(f"1;{color}", topic),
+                body,
+            )
+        )
+
+    def emit(self, text: str) -> None:
+        self.out.write(text + "\n")
+
+
+def _renderer(args: argparse.Namespace) -> Renderer:
+    color = (
+        not args.no_color
+        and sys.stdout.isatty()
+        and "NO_COLOR" not in os.environ
+        and os.environ.get("TERM") != "dumb"
+    ) or args.color
+    max_items = None if args.max_items <= 0 else args.max_items
+    return Renderer(sys.stdout, as_json=args.json, color=color, max_items=max_items)
+
+
+# --- live commands (tail, record) --------------------------------------------------
+
+
+def _connect(args: argparse.Namespace, role: str):
+    from shunter.bus.curve import CurveClient, CurveKeys
+    from shunter.bus.zmq_transport import BusEndpoints, ZmqBus, default_endpoints
+
+    defaults = default_endpoints(args.runtime_dir)
+    endpoints = BusEndpoints(args.frontend or defaults.frontend, args.backend or defaults.backend)
+    curve = None
+    if args.curve_keys or args.server_key:
+        if not (args.curve_keys and args.server_key):
+            raise ValueError("--curve-keys and --server-key go together")
+        server = CurveKeys.load(args.server_key).public_key
+        curve = CurveClient(CurveKeys.load(args.curve_keys), server)
+    return ZmqBus(
+        f"busctl.{role}.{os.getpid()}",
+        endpoints,
+        curve=curve,
+        allow_insecure_tcp=args.allow_insecure_tcp,
+    )
+
+
+async def _tail(args: argparse.Namespace) -> int:
+    import anyio
+
+    renderer, flt = _renderer(args), Filter(args.topic, args.request_id)
+    decoder = msgspec.msgpack.Decoder(_any_message())
+    bus = _connect(args, "tail")
+    num_shown = 0
+    async with bus:
+        # Everything is received and topics are filtered here: a subscription that
+        # skips some of a publisher's topics would see its seq jump and report gaps.
+        sub = bus.subscribe_raw()
+        with anyio.fail_after(args.connect_timeout_s):
+            await sub.wait_connected(args.connect_timeout_s)
+        print(f"busctl: tailing {bus.endpoints.backend}", file=sys.stderr, flush=True)
+        with anyio.move_on_after(args.duration_s if args.duration_s > 0 else None):
+            async for frames in sub:
+                topic = frames.topic.decode("ascii", "replace")
+                if not flt.wants_topic(topic):
+                    continue
+                env = _envelope_decoder.decode(frames.envelope)
+                try:
+                    msg, error = decoder.decode(frames.body), ""
+                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    msg, error = None, str(e)
+                if msg is not None and not flt.wants(msg):
+                    continue
+                if msg is None and flt.rids:
+                    continue
+                renderer.emit(renderer.line(topic, env, msg, error))
+                sys.stdout.flush()
+                num_shown += 1
+                if args.count and num_shown >= args.count:
+                    break
+    return 0
+
+
+async def _record(args: argparse.Namespace) -> int:
+    import anyio
+
+    from shunter.bus.log import RecorderConfig, record
+
+    config = RecorderConfig(
+        max_segment_bytes=int(args.max_segment_mb * (1 << 20)),
+        max_segment_age_s=args.max_segment_age_s,
+        flush_every_records=args.flush_every,
+        flush_interval_ms=args.flush_ms,
+        fsync=args.fsync,
+    )
+    bus = _connect(args, "record")
+    started = anyio.Event()
+    async with bus, anyio.create_task_group() as tg:
+        prefixes = tuple(args.topic or ("",))
+        tg.start_soon(
+            lambda: record(bus, args.directory, config, prefixes=prefixes, started=started)
+        )
+        with anyio.fail_after(args.connect_timeout_s):
+            await started.wait()
+        print(f"busctl: recording to {args.directory}", file=sys.stderr, flush=True)
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            with anyio.move_on_after(args.duration_s if args.duration_s > 0 else None):
+                async for _ in signals:
+                    break
+        tg.cancel_scope.cancel()
+    return 0
+
+
+def _any_message():
+    from shunter.bus.messages import AnyMessage
+
+    return AnyMessage
+
+
+# --- log commands (dump, stats, replay) --------------------------------------------
+
+
+def _dump(args: argparse.Namespace) -> int:
+    renderer, flt = _renderer(args), Filter(args.topic, args.request_id)
+    reader = LogReader(args.log)
+    for rec in reader.records():
+        topic = rec.topic.decode("ascii", "replace")
+        if not flt.wants_topic(topic):
+            continue
+        try:
+            env, msg = decode_record(rec)
+            error = ""
+        except LogDecodeError as e:
+            env, msg, error = _envelope_decoder.decode(rec.envelope), None, str(e)
+            if flt.rids:
+                continue
+        if msg is not None and not flt.wants(msg):
+            continue
+        renderer.emit(renderer.line(topic, env, msg, error))
+    _warn_torn(reader)
+    return 0
+
+
+def _warn_torn(reader: LogReader) -> None:
+    st = reader.statistics()
+    if st.torn:
+        where = ", ".join(st.torn_segments)
+        print(f"busctl: torn tail ({st.num_torn_bytes} bytes) at {where}", file=sys.stderr)
+
+
+def log_statistics(records: Iterator[Record]) -> dict[str, Any]:
+    """Per-topic counts and rates, per-publisher seq gaps, over a log's records."""
+    topics: dict[str, dict[str, Any]] = {}
+    pubs: dict[str, dict[str, Any]] = {}
+    first_ns = last_ns = None
+    for rec in records:
+        env = _envelope_decoder.decode(rec.envelope)
+        topic = rec.topic.decode("ascii", "replace")
+        t = topics.setdefault(topic, {"count": 0, "bytes": 0, "first_ns": env.wall_ns})
+        t["count"] += 1
+        t["bytes"] += len(rec.body)
+        t["last_ns"] = env.wall_ns
+        first_ns = env.wall_ns if first_ns is None else min(first_ns, env.wall_ns)
+        last_ns = env.wall_ns if last_ns is None else max(last_ns, env.wall_ns)
+        p = pubs.get(env.publisher_id)
+        if p is None:
+            p = pubs[env.publisher_id] = {
+                "count": 0, "first_seq": env.seq, "last_seq": env.seq, "gaps": 0, "lost": 0,
+                "restarts": 0,
+            }  # fmt: skip
+        elif env.seq > p["last_seq"] + 1:
+            p["gaps"] += 1
+            p["lost"] += env.seq - p["last_seq"] - 1
+        elif env.seq <= p["last_seq"]:
+            p["restarts"] += 1
+        p["count"] += 1
+        p["last_seq"] = env.seq
+    duration_s = (last_ns - first_ns) / 1e9 if first_ns is not None else 0.0
+    for t in topics.values():
+        t["msgs_per_s"] = t["count"] / duration_s if duration_s > 0 else None
+    return {"duration_s": duration_s, "topics": topics, "publishers": pubs}
+
+
+def _stats(args: argparse.Namespace) -> int:
+    reader = LogReader(args.log)
+    stats = log_statistics(reader.records())
+    st = reader.statistics()
+    stats["log"] = msgspec.structs.asdict(st)
+    if args.json:
+        print(_json.encode(stats).decode())
+        return 0
+    print(
+        f"{args.log}: {st.num_records} records in {st.num_segments} segments, "
+        f"{st.num_bytes} bytes, {stats['duration_s']:.3f} s"
+    )
+    print(f"{'topic':<24} {'msgs':>8} {'bytes':>10} {'msgs/s':>10}")
+    for name, t in sorted(stats["topics"].items()):
+        rate = f"{t['msgs_per_s']:.1f}" if t["msgs_per_s"] is not None else "-"
+        print(f"{name:<24} {t['count']:>8} {t['bytes']:>10} {rate:>10}")
+    print(f"{'publisher':<24} {'msgs':>8} {'seq':>15} {'gaps':>5} {'lost':>6} {'restarts':>8}")
+    for name, p in sorted(stats["publishers"].items()):
+        seq = f"{p['first_seq']}..{p['last_seq']}"
+        print(
+            f"{name:<24} {p['count']:>8} {seq:>15} {p['gaps']:>5} {p['lost']:>6} {p['restarts']:>8}"
+        )
+    torn = f"yes, {st.num_torn_bytes} bytes at {', '.join(st.torn_segments)}" if st.torn else "no"
+    print(f"torn tail: {torn}")
+    return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    for target in args.imports or ():
+        import_registrations(target)
+    spec = get_core(args.actor)
+    result = replay(
+        args.log, spec, actor_id=args.actor_id, allow_short_recording=args.allow_short_recording
+    )
+    print(_json.encode(result).decode() if args.json else result.report())
+    return 0 if result.identical else 1
+
+
+# --- command line ------------------------------------------------------------------
+
+
+def _live_options(p: argparse.ArgumentParser) -> None:
+    where = "default: the broker's ipc:// endpoint under the runtime dir"
+    p.add_argument("--frontend", help=f"where publishers connect ({where})")
+    p.add_argument("--backend", help=f"where subscribers connect ({where})")
+    p.add_argument("--runtime-dir", help="directory of the default ipc:// endpoints")
+    p.add_argument("--curve-keys", help="this client's CURVE key file (*.key_secret), for tcp://")
+    p.add_argument("--server-key", help="the broker's public CURVE key file (*.key)")
+    p.add_argument("--allow-insecure-tcp", action="store_true", help="tcp:// without CURVE")
+    p.add_argument("--connect-timeout-s", type=float, default=10.0)
+    p.add_argument("--duration-s", type=float, default=0.0, help="stop after this long (0: never)")
+
+
+def _view_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-t", "--topic", action="append", metavar="PREFIX", help="topic prefix (repeatable)"
+    )
+    p.add_argument(
+        "-r", "--request-id", action="append", metavar="ID", help="request id (repeatable)"
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument(
+        "--no-color", action="store_true", help="no ANSI colors (default off unless a tty)"
+    )
+    p.add_argument("--color", action="store_true", help="ANSI colors even when not a tty")
+    p.add_argument("--max-items", type=int, default=16, help="shorten longer lists (0: never)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="busctl", description=__doc__.splitlines()[0], allow_abbrev=False
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("tail", help="show the live stream of a broker", allow_abbrev=False)
+    _live_options(p)
+    _view_options(p)
+    p.add_argument("--count", type=int, default=0, help="exit after this many lines (0: never)")
+    p.set_defaults(run=_tail, is_async=True)
+
+    p = sub.add_parser("record", help="record a live broker to a log directory", allow_abbrev=False)
+    p.add_argument("directory")
+    _live_options(p)
+    p.add_argument("-t", "--topic", action="append", metavar="PREFIX", help="record only these")
+    p.add_argument("--max-segment-mb", type=float, default=64.0)
+    p.add_argument("--max-segment-age-s", type=float, default=3600.0)
+    p.add_argument("--flush-every", type=int, default=256, help="records between flushes")
+    p.add_argument("--flush-ms", type=float, default=200.0, help="flush within this many ms")
+    p.add_argument("--fsync", action="store_true", help="fsync each segment when it closes")
+    p.set_defaults(run=_record, is_async=True)
+
+    p = sub.add_parser("dump", help="render a recorded log", allow_abbrev=False)
+    p.add_argument("log", help="log directory or segment file")
+    _view_options(p)
+    p.set_defaults(run=_dump, is_async=False)
+
+    p = sub.add_parser(
+        "stats", help="messages and rates per topic, gaps per publisher", allow_abbrev=False
+    )
+    p.add_argument("log", help="log directory or segment file")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_stats, is_async=False)
+
+    p = sub.add_parser("replay", help="replay an actor core against a log", allow_abbrev=False)
+    p.add_argument("log", help="log directory or segment file")
+    p.add_argument("--actor", required=True, help="registered core name (scheduler, cache, ...)")
+    p.add_argument("--actor-id", help="the actor's publisher id, if not its name")
+    p.add_argument(
+        "--import", dest="imports", action="append", metavar="MODULE_OR_FILE",
+        help="import this first for its register_core calls (repeatable)",
+    )  # fmt: skip
+    p.add_argument("--allow-short-recording", action="store_true",
+                   help="accept outputs produced after the recording ended")  # fmt: skip
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_replay, is_async=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.is_async:
+            import anyio
+
+            return anyio.run(args.run, args, backend="asyncio")
+        return args.run(args)
+    except (FileNotFoundError, LogCorrupt, LogDecodeError, KeyError, LookupError, ValueError,
+            TimeoutError) as e:  # fmt: skip
+        message = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"busctl {args.command}: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `busctl dump LOG | head`
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -290,9 +290,9 @@ class Bus(abc.ABC):
         exact topics; with neither, everything. A message whose body does not decode as
         one of `types` becomes a DecodeFailed event."""
         types = tuple(types) if types is not None else None
+        decoder = Decoder(types)  # validates the types
         if not prefixes:
             prefixes = tuple(topic_of(t) for t in types) if types else ("",)
-        decoder = Decoder(types)
         source = self._open(self._check_prefixes(prefixes), max_queue or self.max_queue)
         sub = Subscription(self, tuple(prefixes), source, decoder)
         self._subs.add(sub)

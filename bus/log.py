@@ -61,6 +61,7 @@ log = structlog.get_logger("shunter.bus.log")
 
 MAGIC = b"SHUNTLG1"
 _HEADER = struct.Struct("<II")  # payload length, crc32
+_LENGTH = struct.Struct("<I")
 MAX_RECORD_BYTES = 64 << 20  # a longer length field is damage, not a record
 SEGMENT_RE = re.compile(r"^events-(\d{6,})\.log$")
 
@@ -148,9 +149,10 @@ def list_segments(directory: pathlib.Path) -> list[pathlib.Path]:
 
 
 def encode_record(topic: bytes, envelope: bytes, body: bytes) -> bytes:
+    """One framed record: length, crc32, msgpack [topic, envelope, body]."""
     payload = _payload_encoder.encode((topic, envelope, body))
-    head = struct.pack("<I", len(payload))
-    return head + struct.pack("<I", zlib.crc32(payload, zlib.crc32(head))) + payload
+    head = _LENGTH.pack(len(payload))
+    return head + _LENGTH.pack(zlib.crc32(payload, zlib.crc32(head))) + payload
 
 
 class LogWriter:
@@ -174,8 +176,7 @@ class LogWriter:
         self._num_flushes = 0
 
     def append(self, frames: Frames | tuple[bytes, bytes, bytes], now_ns: int) -> None:
-        topic, envelope, body = frames
-        record = encode_record(bytes(topic), bytes(envelope), bytes(body))
+        record = encode_record(*(f if type(f) is bytes else bytes(f) for f in frames))
         if self._file is not None and self._due_for_rotation(now_ns):
             self._close_segment()
         if self._file is None:
@@ -284,7 +285,7 @@ class LogReader:
         num_records = num_bytes = num_torn_bytes = 0
         torn_segments: list[str] = []
         for seg in self.segments:
-            buf = seg.read_bytes()
+            buf, name = seg.read_bytes(), seg.name
             if buf[: len(MAGIC)] != MAGIC:
                 if MAGIC.startswith(buf):  # created, then the crash came before the magic
                     torn_segments.append(f"{seg.name}@0")
@@ -321,7 +322,7 @@ class LogReader:
                     raise LogCorrupt(
                         seg, pos, f"payload is not [topic, envelope, body]: {e}"
                     ) from e
-                yield Record(seg.name, pos, topic, envelope, body)
+                yield Record(name, pos, topic, envelope, body)
                 num_records += 1
                 num_bytes += size
                 pos += size

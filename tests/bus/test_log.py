@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import zlib
 
 import anyio
 import msgspec
@@ -275,3 +276,14 @@ async def test_recorder_on_the_in_process_bus(tmp_path):
     assert [e.seq for e, _ in got] == list(range(len(msgs)))
     assert {e.publisher_id for e, _ in got} == {"scheduler"}
     assert len(list_segments(tmp_path)) > 1
+
+
+@pytest.mark.parametrize("size", [0, 1, 255, 256, 65535, 65536, 70000])
+def test_record_framing_is_length_crc_and_the_msgpack_array_of_the_frames(size):
+    from shunter.bus.log import encode_record
+
+    body = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    rec = encode_record(b"sched.batch", b"\x94\xa1p\x01\x02\x03", body)
+    payload = msgspec.msgpack.encode((b"sched.batch", b"\x94\xa1p\x01\x02\x03", body))
+    assert rec[8:] == payload and int.from_bytes(rec[:4], "little") == len(payload)
+    assert int.from_bytes(rec[4:8], "little") == zlib.crc32(payload, zlib.crc32(rec[:4]))

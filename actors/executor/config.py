@@ -1,0 +1,60 @@
+"""ExecutorConfig: what one executor (one device / TP rank) needs to start."""
+
+from __future__ import annotations
+
+import msgspec
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Config of one executor actor. Validated on construction (ValueError)."""
+
+    actor_id: str = "executor.0"
+    """Bus publisher id and Ready.actor_id."""
+    model_path: str | None = None
+    """HF directory, .gguf file, or None / "smollm2" for the default model."""
+    dtype: str = "auto"
+    """Weights and KV dtype; "auto" is float32 on a CPU and bfloat16 on CUDA."""
+    device: str = "auto"
+    """"cpu", "cuda", "cuda:N" or "auto" (CUDA when available)."""
+    load_format: str = "auto"
+    page_size: int = 1
+    """Tokens per KV page (must match the cache manager's)."""
+    max_total_tokens: int | None = None
+    """KV pool size in tokens; None sizes it from mem_fraction_static."""
+    mem_fraction_static: float | None = None
+    """Share of free memory for the KV pool (host memory on a CPU); None: the pool's default."""
+    context_length: int | None = None
+    """Longest sequence a row may reach; None: the model's own limit."""
+    seed: int = 0
+    """Seed of random weights under load_format "dummy"."""
+    num_threads: int | None = None
+    """torch intra-op threads on a CPU; None leaves torch's default."""
+    max_num_rows: int = 4096
+    """Row indices must be below this (rows are the scheduler's running slots)."""
+    load_progress: bool = True
+    """Show a progress bar while loading weights."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ValueError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
+            raise ValueError(
+                f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}"
+            )
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(f"context_length must be >= 1, got {self.context_length}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.max_num_rows < 1:
+            raise ValueError(f"max_num_rows must be >= 1, got {self.max_num_rows}")

@@ -160,3 +160,19 @@ async def test_malformed_frames_from_a_foreign_socket_become_events(broker):
     finally:
         rogue.close(0)
         await b.aclose()
+
+
+def test_bench_bus_prints_a_json_summary_last():
+    out = subprocess.run(
+        [sys.executable, "-m", "shunter.ops.cli", "bench", "bus", "--num-codec-iters", "50",
+         "--num-latency-msgs", "100", "--num-throughput-msgs", "2000"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    summary = json.loads(lines[-1])
+    for key in ("encode_decode_us", "zmq_ipc_p50_us", "zmq_ipc_p99_us", "inproc_msgs_per_s",
+                "zmq_ipc_msgs_per_s", "inproc_p50_us", "inproc_p99_us"):  # fmt: skip
+        assert summary[key] > 0, key
+    assert summary["zmq_ipc_p50_us"] <= summary["zmq_ipc_p99_us"]
+    assert any(line.startswith("codec") for line in lines[:-1])

@@ -48,6 +48,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, BinaryIO, NamedTuple
 
 import anyio
+import anyio.abc
 import msgspec
 import structlog
 
@@ -361,11 +362,14 @@ async def record(
     *,
     prefixes: tuple[str, ...] = ("",),
     started: anyio.Event | None = None,
+    task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Record every frame the bus delivers (topics under `prefixes`) until cancelled.
 
-    `started` is set once the subscription exists, so nothing published after it is
-    missed. The segment is flushed and closed on the way out, cancellation included."""
+    Once the subscription is connected, `started` is set and `task_status.started()`
+    is called, so `await task_group.start(record, bus, path)` returns only when nothing
+    published afterwards can be missed. The segment is flushed and closed on the way
+    out, cancellation included."""
     writer = LogWriter(directory, config)
     tick_s = writer.config.flush_interval_ms / 1e3
     log.info("recording", directory=str(writer.directory))
@@ -380,6 +384,7 @@ async def record(
             tg.start_soon(tick_while_idle)
             if started is not None:
                 started.set()
+            task_status.started()
             async for frames in sub:
                 writer.append(frames, time.monotonic_ns())
             tg.cancel_scope.cancel()

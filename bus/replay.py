@@ -8,20 +8,32 @@ no randomness of its own), so its outputs are a function of its inputs. A log ho
 both: every message on the bus, with the publisher in its envelope. For a registered
 core the harness
 
-1. builds the core: the first message in the log whose topic is under the spec's
-   `config` prefixes and whose publisher is the actor is handed to the factory (with
-   no `config` prefixes the factory gets None). A shell makes its core replayable by
-   publishing what it built the core from (e.g. its config inside `Ready.info`, or a
-   dedicated config message) before it consumes anything;
-2. takes the inbox: every message under the spec's `inbox` prefixes, in log order,
-   whoever published it (a shell that publishes `Tick` to its own core is covered).
-   When the core is configured from a message, only messages after it count;
+1. builds the core: a message whose topic is under the spec's `config` prefixes and
+   whose publisher is the actor is handed to the factory (with no `config` prefixes
+   the factory gets None). Each such message starts one run of the actor (a restart
+   publishes it again); a replay covers one run, the first unless `run` says which,
+   from its config message to the next one or the end of the log;
+2. takes the inbox: every message of the run under the spec's `inbox` prefixes, in
+   log order, whoever published it (so a `Tick` a shell sends its own core counts);
 3. takes the recorded outbox: every message the actor published, except those under
    `inbox` (its own ticks) or under `ignore` (the shell's own traffic: health, bus);
 4. feeds the inbox in order, concatenates what `handle` returns, and compares it with
    the recorded outbox item by item on their msgpack encodings. The first difference
    (a different message, a missing one, or an extra one) ends the replay and is
    reported with the inbox message that produced it and both sides pretty-printed.
+
+What a shell does to be replayable
+----------------------------------
+- Publishes what it built the core from (its config inside `Ready.info`, or a
+  dedicated config message) before it hands the core anything.
+- Feeds the core exactly what its subscription delivers, in delivery order; a message
+  it makes for its own core (a `Tick`) is published and received back like any other,
+  so the log holds it where the core saw it. Every subscriber of a broker sees one
+  order, the recorder's included, so the log's order is the core's order.
+- Publishes every output of `handle`, in order. Traffic the shell makes by itself
+  (health, metrics read from a clock) goes under the spec's `ignore` prefixes.
+- Declares exact topics when an inbox topic is a prefix of an outbox topic
+  (`cache.census.sched` in, `cache.census` out: declare the former, not `cache.`).
 
 Registering a core
 ------------------
@@ -276,6 +288,7 @@ def replay(
     *,
     actor_id: str | None = None,
     allow_short_recording: bool = False,
+    run: int = 0,
 ) -> ReplayResult:
     """Replay one core against a log; see the module docstring for the rules."""
     if isinstance(spec, str):
@@ -285,21 +298,31 @@ def replay(
         decode_record(rec) for rec in LogReader(log_path).records()
     ]
 
-    start = 0
+    start, end = 0, len(messages)
     config_msg: Msg | None = None
     if spec.config:
-        for i, (env, msg) in enumerate(messages):
-            if env.publisher_id == actor_id and _matches(topic_of(msg), spec.config):
-                config_msg, start = msg, i + 1
-                break
-        else:
+        starts = [
+            i
+            for i, (env, msg) in enumerate(messages)
+            if env.publisher_id == actor_id and _matches(topic_of(msg), spec.config)
+        ]
+        if not starts:
             raise LookupError(
                 f"{log_path}: no message under {list(spec.config)} published by "
                 f"{actor_id!r} to build core {spec.name!r} from"
             )
+        if not 0 <= run < len(starts):
+            raise LookupError(
+                f"{log_path}: run {run} of {actor_id!r} asked, the log has {len(starts)}"
+            )
+        config_msg, start = messages[starts[run]][1], starts[run] + 1
+        if run + 1 < len(starts):
+            end = starts[run + 1]
+    elif run != 0:
+        raise LookupError(f"core {spec.name!r} has no config message, so the log is one run")
     inbox: list[Msg] = []
     outbox: list[Msg] = []
-    for env, msg in messages[start:]:
+    for env, msg in messages[start:end]:
         topic = topic_of(msg)
         if _matches(topic, spec.inbox):
             inbox.append(msg)

@@ -343,7 +343,11 @@ def _replay(args: argparse.Namespace) -> int:
         import_registrations(target)
     spec = get_core(args.actor)
     result = replay(
-        args.log, spec, actor_id=args.actor_id, allow_short_recording=args.allow_short_recording
+        args.log,
+        spec,
+        actor_id=args.actor_id,
+        allow_short_recording=args.allow_short_recording,
+        run=args.run_index,
     )
     print(_json.encode(result).decode() if args.json else result.report())
     return 0 if result.identical else 1
@@ -417,6 +421,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("log", help="log directory or segment file")
     p.add_argument("--actor", required=True, help="registered core name (scheduler, cache, ...)")
     p.add_argument("--actor-id", help="the actor's publisher id, if not its name")
+    p.add_argument(
+        "--run",
+        dest="run_index",
+        type=int,
+        default=0,
+        help="which run of a restarted actor (0: first)",
+    )
     p.add_argument(
         "--import", dest="imports", action="append", metavar="MODULE_OR_FILE",
         help="import this first for its register_core calls (repeatable)",

@@ -259,12 +259,10 @@ def test_config_is_validated(kwargs):
 async def test_recorder_on_the_in_process_bus(tmp_path):
     hub = InProcHub()
     sched, recorder_bus = hub.connect("scheduler"), hub.connect("recorder")
-    started = anyio.Event()
     msgs = [Tick(now_ns=k) for k in range(300)] + [StepResult(7, [1, 2], [3, 4])]
     cfg = RecorderConfig(max_segment_bytes=2048, flush_interval_ms=20)
     async with anyio.create_task_group() as tg:
-        tg.start_soon(lambda: record(recorder_bus, tmp_path, cfg, started=started))
-        await started.wait()
+        await tg.start(record, recorder_bus, tmp_path, cfg)  # returns once subscribed
         for m in msgs:
             await sched.publish(m)
         with anyio.fail_after(5):  # the idle tick flushes without a close

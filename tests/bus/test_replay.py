@@ -245,3 +245,15 @@ def test_registry():
         get_core("nope")
     with pytest.raises(ValueError, match="inbox needs at least one"):
         register_core("empty", build_core, inbox=())
+
+
+@pytest.mark.anyio
+async def test_each_run_of_a_restarted_actor_replays_from_its_own_config(tmp_path):
+    log = tmp_path / "log"
+    await record_live_run(log, num_steps=20, offset=5)
+    await record_live_run(log, num_steps=10, offset=9)  # a restart: a second Ready
+    first, second = replay(log, ACTOR), replay(log, ACTOR, run=1)
+    assert first.identical and second.identical, first.report() + second.report()
+    assert (first.num_inbox, second.num_inbox) == (40, 20)
+    with pytest.raises(LookupError, match="run 2 of 'accumulator' asked, the log has 2"):
+        replay(log, ACTOR, run=2)

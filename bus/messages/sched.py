@@ -34,7 +34,9 @@ class RowOpen(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
 
 class ForwardBatch(Msg, tag="sched.batch"):
-    """One forward step. Entries are the rows that compute this step, in order."""
+    """One forward step. Entries are the rows that compute this step, in order.
+    The executor applies closes first, then opens, then the entries: a row closed here
+    may be opened again in the same batch for another request."""
 
     step_id: int
     opens: list[RowOpen] = []
@@ -100,3 +102,11 @@ class SchedulerStats(Msg, tag="sched.stats"):
     num_total_pages: int
     cache_hit_rate: float
     gen_throughput_tok_s: float = 0.0
+
+
+class SchedulerConfigured(Msg, tag="sched.config"):
+    """The scheduler's configuration, published once by its shell before anything else,
+    so a recorded log holds what is needed to rebuild the core and replay its inbox."""
+
+    actor_id: str
+    config_json: str  # actors/scheduler/config.py SchedulerConfig, as JSON

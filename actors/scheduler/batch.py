@@ -1,0 +1,84 @@
+"""Building one ForwardBatch: row opens plus columnar entries, and what the core keeps
+of it until its StepResult arrives.
+
+An entry is one running request's work in a step: `num_new` tokens starting at KV
+position `start_pos`, the pages appended for them, and whether a token is sampled
+(False only for a non-final prefill chunk). Decode entries feed LAST_SAMPLED: the
+executor substitutes the token the row sampled last, so a decode step's plan does not
+depend on the previous step's result (what overlap scheduling needs).
+"""
+
+from __future__ import annotations
+
+from shunter.actors.scheduler.req import Req
+from shunter.bus.messages import LAST_SAMPLED, ForwardBatch, RowOpen
+
+
+class InFlight:
+    """A sent batch awaiting its StepResult: (request, num_new, sample) per entry."""
+
+    __slots__ = ("entries", "num_sampling", "step_id")
+
+    def __init__(self, step_id: int, entries: list[tuple[Req, int, bool]]) -> None:
+        self.step_id = step_id
+        self.entries = entries
+        self.num_sampling = sum(1 for _, _, s in entries if s)
+
+
+class BatchBuilder:
+    __slots__ = ("entries", "input_ids", "new_pages", "num_new_pages", "num_new_tokens",
+                 "opens", "rows", "sample", "start_pos")  # fmt: skip
+
+    def __init__(self) -> None:
+        self.opens: list[RowOpen] = []
+        self.rows: list[int] = []
+        self.num_new_tokens: list[int] = []
+        self.start_pos: list[int] = []
+        self.input_ids: list[int] = []
+        self.new_pages: list[int] = []
+        self.num_new_pages: list[int] = []
+        self.sample: list[bool] = []
+        self.entries: list[tuple[Req, int, bool]] = []
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add_extend(self, req: Req, num_new: int, new_pages: list[int], sample: bool) -> None:
+        """Prefill (or re-prefill after retraction) of all_ids[num_computed : +num_new]."""
+        start = req.num_computed
+        self.rows.append(req.row)
+        self.num_new_tokens.append(num_new)
+        self.start_pos.append(start)
+        self.input_ids.extend(req.all_ids[start : start + num_new])
+        self.new_pages.extend(new_pages)
+        self.num_new_pages.append(len(new_pages))
+        self.sample.append(sample)
+        self.entries.append((req, num_new, sample))
+
+    def add_decode(self, req: Req, new_page: int | None) -> None:
+        self.rows.append(req.row)
+        self.num_new_tokens.append(1)
+        self.start_pos.append(req.num_computed)
+        self.input_ids.append(LAST_SAMPLED)
+        if new_page is None:
+            self.num_new_pages.append(0)
+        else:
+            self.new_pages.append(new_page)
+            self.num_new_pages.append(1)
+        self.sample.append(True)
+        self.entries.append((req, 1, True))
+
+    def build(self, step_id: int, closes: list[int], version: int) -> ForwardBatch:
+        return ForwardBatch(
+            step_id=step_id,
+            opens=self.opens,
+            closes=closes,
+            rows=self.rows,
+            num_new_tokens=self.num_new_tokens,
+            start_pos=self.start_pos,
+            input_ids=self.input_ids,
+            new_pages=self.new_pages,
+            num_new_pages=self.num_new_pages,
+            sample=self.sample,
+            version=version,
+        )

@@ -1,0 +1,511 @@
+"""Scheduler core: admission, continuous batching, chunked prefill, retraction, stops.
+
+Theory of operation
+    Requests arrive as Matched (from the cache manager: the prompt plus its locked cached
+    prefix) and wait in a queue ordered by the policy (policy.py). One batch is in flight
+    at a time: when its StepResult arrives the core appends the sampled tokens, applies
+    stop conditions, and plans the next ForwardBatch at once, so the executor is never
+    idle while there is work. A step is mixed: the (at most one) request whose prefill is
+    being chunked continues, new requests are admitted under the budgets, and every
+    decoding request computes one token; the executor runs them as one forward.
+
+    Admission (plan.py) walks the waiting queue in policy order and stops at the first
+    request that does not fit: max_running_requests; max_prefill_tokens, the new tokens
+    of the step (the first request always goes in, however long); the chunk budget
+    (chunked_prefill_size: a longer prompt gets a page-aligned piece now, sample=False,
+    and continues next step; each finished piece goes to the cache as ChunkCached so
+    followers can share it); and KV: the pool's pages for this step's tokens, plus, when
+    the pool size is known, a reserve of new_token_ratio * remaining max_new_tokens for
+    every running request (SGLang's rem_total_tokens). A request matched before the tree
+    last grew gets a RefreshMatch and is skipped this step (never blocks the step).
+
+    KV pages come from a local pool leased from the cache manager (pool.py), topped up
+    ahead of need and trimmed when idle, so a decode step has no round trip. When the
+    decoding requests need more pages than the pool has and the cache cannot grant
+    more, requests are retracted (fewest output tokens first, then longest prompt:
+    the least work lost), released with reason "retracted" so their computed prefix
+    stays in the tree, and re-queued when the cache manager re-matches them; the
+    new_token_ratio is raised, then decays back a little every step.
+
+    Overlap: decode entries feed LAST_SAMPLED, so a step's plan never reads the previous
+    result's tokens. Running two batches in flight needs only that planning assumes each
+    in-flight sampling entry continues (positions +1) and that finishes found in result N
+    close their rows in batch N+2 (their entry in N+1 is wasted work, its token dropped).
+    This core runs one batch in flight (the non-overlap mode).
+
+Invariants
+    - A request is in exactly one of: waiting, running (holds a row), retracted
+      (awaiting its new Matched); finished requests are forgotten.
+    - Every Matched received is ended by exactly one SequenceReleased or replaced by a
+      newer Matched (cache.py's protocol); a request awaiting a Matched is never released
+      until that Matched arrives.
+    - A request's pages are released only when no in-flight batch writes them.
+    - Census (sent at every step boundary): len(pool) == num_leased_unused and
+      num_held_by_requests == sum of running requests' own (not handed over) pages.
+    - No output follows a request's final RequestOutput.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import deque
+
+import msgspec
+
+from shunter.actors.scheduler import plan
+from shunter.actors.scheduler.batch import InFlight
+from shunter.actors.scheduler.config import SchedulerConfig
+from shunter.actors.scheduler.policy import SplitMix64, WaitingOrder
+from shunter.actors.scheduler.pool import LeasePool
+from shunter.actors.scheduler.req import RETRACTED, RUNNING, WAITING, Req, check_stop
+from shunter.actors.scheduler.rows import RowAllocator
+from shunter.bus.messages import (
+    AbortRequest,
+    AdmissionPaused,
+    ChunkCached,
+    FinishReason,
+    FlipBegin,
+    FlipCutover,
+    FlipDone,
+    LeaseGranted,
+    Matched,
+    Msg,
+    RequestFailed,
+    RequestOutput,
+    SchedulerCensus,
+    SchedulerConfigured,
+    SchedulerStats,
+    SequenceReleased,
+    Shutdown,
+    StepResult,
+    Tick,
+    TokensOut,
+    TreeDropped,
+)
+
+Inbox = (
+    Matched | LeaseGranted | StepResult | AbortRequest | Tick | FlipBegin | FlipCutover
+    | FlipDone | Shutdown | TreeDropped | SchedulerConfigured
+)  # fmt: skip
+INBOX_TYPES: tuple[type[Msg], ...] = Inbox.__args__  # type: ignore[attr-defined]
+
+
+class SchedulerStatistics(msgspec.Struct, frozen=True):
+    num_waiting: int
+    num_running: int
+    num_retracted: int  # awaiting a new Matched
+    num_steps: int
+    num_in_flight: int
+    num_leased_unused: int
+    num_held_pages: int
+    num_lease_requests: int
+    num_retractions: int
+    num_refreshes: int
+    num_chunks_cached: int
+    num_finished: int
+    num_aborted: int
+    num_failed: int
+    num_prefill_tokens: int
+    num_generated_tokens: int
+    num_unexpected: int  # messages that broke the protocol and were ignored
+    new_token_ratio: float
+    admission_paused: bool
+    version: int
+
+
+class SchedulerCore:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.waiting: dict[str, Req] = {}  # arrival order
+        self.running: dict[str, Req] = {}  # admission order
+        self.retracted: dict[str, Req] = {}
+        self.pool = LeasePool()
+        self.rows = RowAllocator(config.max_running_requests)
+        self.order = WaitingOrder(
+            config.schedule_policy,
+            aging_per_s=config.priority_aging_per_s,
+            lpm_max_queue=config.lpm_max_queue,
+            seed=config.seed,
+        )
+        self.in_flight: InFlight | None = None
+        self.step_id = 0
+        self.now_ns = 0
+        self.version = 0
+        self.new_token_ratio = config.init_new_token_ratio
+        self.num_held = 0  # pages drawn from the pool into rows, not handed over
+        self.paused_by: set[str] = set()  # flip ids (or "shutdown") holding admission
+        self.retract_all_pending = False
+        self.draining = False
+        self.tombstones: deque[str] = deque(maxlen=config.max_tombstones)
+        self.tombstone_set: set[str] = set()
+        # Tree version estimate: the newest Matched.tree_version seen plus our own
+        # inserts (ChunkCached, SequenceReleased) sent since; recent inserts are kept
+        # so a stale match is refreshed only if an insert could extend it.
+        self.version_seen = 0
+        self.inserts_since_seen = 0
+        self.insert_log: deque[tuple[int, str, list[int]]] = deque(maxlen=256)
+        self.enqueue_seq = 0
+        self.admission_deficit = 0  # pages the next step's prefills want from the pool
+        self._outputs: list[RequestOutput] = []
+        self._boundary = False
+        self._last_stats_ns = 0
+        self._gen_since_stats = 0
+        self._n = dict.fromkeys(
+            ("retractions", "refreshes", "chunks", "finished", "aborted", "failed",
+             "prefill_tokens", "generated", "unexpected", "prompt_tokens", "cached_tokens"),
+            0,
+        )  # fmt: skip
+
+    # ---- the loop ------------------------------------------------------------------
+
+    def handle(self, msg: Inbox) -> list[Msg]:
+        out: list[Msg] = []
+        match msg:
+            case StepResult():
+                self._on_result(msg, out)
+            case Matched():
+                self._on_matched(msg, out)
+            case LeaseGranted():
+                if not self.pool.granted(msg):
+                    self._n["unexpected"] += 1
+            case AbortRequest():
+                self._on_abort(msg, out)
+            case Tick():
+                self._on_tick(msg, out)
+            case FlipBegin():
+                self.paused_by.add(msg.flip_id)
+                self.retract_all_pending = self.retract_all_pending or msg.retract
+                out.append(AdmissionPaused(msg.flip_id, len(self.running), len(self.waiting)))
+            case FlipCutover():
+                self.version = msg.version
+            case FlipDone():
+                self.paused_by.discard(msg.flip_id)
+                self.version = msg.version
+            case Shutdown():
+                self.draining = True
+            case TreeDropped():
+                if msg.ok:  # every waiting match lost its pages: re-match before admission
+                    self._see_version(msg.tree_version)
+                    for r in self.waiting.values():
+                        if r.num_cached:
+                            r.tree_version = -1
+            case SchedulerConfigured():
+                pass  # the shell's record of our config; the core was built from it
+            case _:
+                raise TypeError(f"scheduler core cannot handle {type(msg).__name__}")
+        if self.in_flight is None:
+            batch = plan.plan_step(self, out)
+            if batch is not None:
+                out.insert(0, batch)
+                self._boundary = True
+        elif isinstance(msg, Matched) and self.waiting:
+            plan.lease_ahead(self, out)
+        if self._outputs:
+            out.append(TokensOut(step_id=self.step_id, outputs=self._outputs))
+            self._outputs = []
+        if self._boundary:
+            out.append(self.census())
+            self._boundary = False
+        return out
+
+    def census(self) -> SchedulerCensus:
+        return SchedulerCensus(
+            step_id=self.step_id,
+            last_lease_seq=self.pool.last_received_seq,
+            num_leased_unused=len(self.pool),
+            num_held_by_requests=self.num_held,
+        )
+
+    # ---- arrivals and matches ------------------------------------------------------
+
+    def _on_matched(self, m: Matched, out: list[Msg]) -> None:
+        rid = m.request.request_id
+        self._see_version(m.tree_version)
+        req = self.waiting.get(rid) or self.retracted.get(rid)
+        if req is not None:
+            req.apply_match(m, self.config.page_size)
+            req.awaiting_match = False
+            if req.state == RETRACTED:
+                del self.retracted[rid]
+                req.state = WAITING
+                self.waiting[rid] = req
+            if req.abort_reason is not None:  # aborted while its Matched was on the way
+                self._drop_waiting(req, out, emit=False)
+            return
+        if rid in self.running:
+            self._n["unexpected"] += 1  # a running request's match never changes
+            return
+        req = Req(
+            m,
+            page_size=self.config.page_size,
+            enqueue_seq=self.enqueue_seq,
+            enqueued_ns=self.now_ns,
+            seed=self._seed_for(m),
+            eos_token_ids=self.config.eos_token_ids,
+        )
+        self.enqueue_seq += 1
+        self.waiting[rid] = req
+        if rid in self.tombstone_set:  # its abort overtook this Matched
+            req.abort_reason = "client"
+            self._drop_waiting(req, out, emit=False)
+        elif self.draining:
+            req.abort_reason = "shutdown"
+            self._drop_waiting(req, out)
+        elif (problem := self._refuse_reason(req)) is not None:
+            code, text = problem
+            out.append(RequestFailed(rid, code, text, 400))
+            req.abort_reason = "invalid"
+            self._n["failed"] += 1
+            self._drop_waiting(req, out, emit=False)
+        elif req.sampling.max_new_tokens <= 0:
+            self._emit(req, [], finish=FinishReason.LENGTH)
+            self._release(req, "finished", out)
+            del self.waiting[rid]
+            self._n["finished"] += 1
+
+    def _refuse_reason(self, req: Req) -> tuple[str, str] | None:
+        cfg = self.config
+        n = len(req.all_ids)
+        if n == 0:
+            return "invalid_request", "the prompt is empty"
+        if n >= cfg.max_context_len:
+            return "context_length_exceeded", (
+                f"the prompt has {n} tokens; the context length is {cfg.max_context_len} "
+                "and at least one token must be generated"
+            )
+        if cfg.num_total_pages and -(-(n + 1) // cfg.page_size) > cfg.num_total_pages:
+            return "context_length_exceeded", (
+                f"the prompt needs more KV pages than the pool has ({cfg.num_total_pages})"
+            )
+        return None
+
+    def _seed_for(self, m: Matched) -> int:
+        if m.request.sampling.seed is not None:
+            return m.request.sampling.seed
+        rng = SplitMix64(self.config.seed ^ zlib.crc32(m.request.request_id.encode()))
+        return rng.next() >> 1
+
+    def _see_version(self, tree_version: int) -> None:
+        if tree_version > self.version_seen:
+            self.version_seen = tree_version
+            self.inserts_since_seen = 0
+
+    @property
+    def tree_version_estimate(self) -> int:
+        return self.version_seen + self.inserts_since_seen
+
+    def _note_insert(self, req: Req, token_ids: list[int]) -> None:
+        self.inserts_since_seen += 1
+        self.insert_log.append((self.tree_version_estimate, req.extra_key, token_ids))
+
+    # ---- aborts --------------------------------------------------------------------
+
+    def _on_abort(self, msg: AbortRequest, out: list[Msg]) -> None:
+        rid = msg.request_id
+        req = self.waiting.get(rid) or self.running.get(rid) or self.retracted.get(rid)
+        if req is None:
+            if rid not in self.tombstone_set:  # finished, unknown, or not matched yet
+                if len(self.tombstones) == self.tombstones.maxlen:
+                    self.tombstone_set.discard(self.tombstones[0])
+                self.tombstones.append(rid)
+                self.tombstone_set.add(rid)
+            return
+        if req.abort_reason is not None:
+            return  # already ending
+        req.abort_reason = msg.reason
+        stop = msg.reason == "stop_string"
+        self._emit(req, [], finish=FinishReason.STOP if stop else FinishReason.ABORT)
+        self._n["finished" if stop else "aborted"] += 1
+        if req.state == RUNNING:
+            if not self._in_flight_has(req):
+                self._end_running(req, "finished" if stop else "aborted", out)
+        elif not req.awaiting_match:  # waiting; otherwise ended when its Matched comes
+            self._drop_waiting(req, out, emit=False)
+
+    def _in_flight_has(self, req: Req) -> bool:
+        return self.in_flight is not None and any(e[0] is req for e in self.in_flight.entries)
+
+    def _drop_waiting(self, req: Req, out: list[Msg], emit: bool = True) -> None:
+        """End a waiting request: unlock its match (reason aborted, its prefix only)."""
+        del self.waiting[req.request_id]
+        if emit:
+            self._emit(req, [], finish=FinishReason.ABORT)
+            self._n["aborted"] += 1
+        self._release(req, "aborted", out)
+
+    # ---- results -------------------------------------------------------------------
+
+    def _on_result(self, res: StepResult, out: list[Msg]) -> None:
+        inf = self.in_flight
+        if inf is None or res.step_id != inf.step_id:
+            self._n["unexpected"] += 1
+            return
+        self.in_flight = None
+        self._boundary = True
+        error = res.error
+        if error is None and (len(res.rows) != inf.num_sampling or
+                              len(res.token_ids) != inf.num_sampling):  # fmt: skip
+            error = f"result has {len(res.rows)} rows, the batch sampled {inf.num_sampling}"
+        ask_top = len(res.top_logprobs) == len(res.rows)
+        k = 0
+        for req, num_new, sample in inf.entries:
+            req.num_computed += num_new
+            if sample:
+                k += 1
+            if req.abort_reason is not None:
+                reason = "finished" if req.abort_reason == "stop_string" else "aborted"
+                self._end_running(req, reason, out)
+                continue
+            if error is not None:
+                self._emit(req, [], finish=FinishReason.ERROR)
+                out.append(RequestFailed(req.request_id, "internal", error, 500))
+                self._n["failed"] += 1
+                self._end_running(req, "aborted", out)
+                continue
+            prompt_lp = res.prompt_logprobs.get(req.row, [])
+            if not sample:
+                self._n["prefill_tokens"] += num_new
+                self._cache_chunk(req, out)
+                if prompt_lp:
+                    self._emit(req, [], prompt_logprobs=prompt_lp)
+                continue
+            i = k - 1
+            if res.rows[i] != req.row:
+                self._n["unexpected"] += 1
+            token = res.token_ids[i]
+            if num_new > 1 or req.num_output == 0:
+                self._n["prefill_tokens"] += num_new
+            req.all_ids.append(token)
+            self._n["generated"] += 1
+            self._gen_since_stats += 1
+            sp = req.sampling
+            lps = [res.logprobs[i]] if sp.return_logprob and i < len(res.logprobs) else []
+            top = [res.top_logprobs[i]] if ask_top and sp.top_logprobs_num > 0 else []
+            stop = check_stop(req, token, self.config.max_context_len)
+            if stop is None:
+                self._emit(req, [token], lps, top, prompt_lp)
+            else:
+                self._emit(req, [token], lps, top, prompt_lp, finish=stop[0], matched=stop[1])
+                self._n["finished"] += 1
+                self._end_running(req, "finished", out)
+        self.new_token_ratio = max(
+            self.config.min_new_token_ratio,
+            self.new_token_ratio - self.config.new_token_ratio_decay,
+        )
+
+    def _cache_chunk(self, req: Req, out: list[Msg]) -> None:
+        """A non-final prefill chunk is computed: hand its page-aligned part to the tree."""
+        ps = self.config.page_size
+        num_aligned_pages = req.num_computed // ps
+        if num_aligned_pages <= req.num_tree_pages:
+            return
+        token_ids = req.all_ids[: req.num_computed]
+        out.append(ChunkCached(req.request_id, token_ids, list(req.pages)))
+        self.num_held -= num_aligned_pages - req.num_tree_pages
+        req.num_tree_pages = num_aligned_pages
+        self._note_insert(req, token_ids)
+        self._n["chunks"] += 1
+
+    def _emit(
+        self,
+        req: Req,
+        token_ids: list[int],
+        logprobs: list[float] | None = None,
+        top_logprobs: list | None = None,
+        prompt_logprobs: list[float] | None = None,
+        *,
+        finish: str | None = None,
+        matched: int | None = None,
+    ) -> None:
+        self._outputs.append(
+            RequestOutput(
+                request_id=req.request_id,
+                token_ids=token_ids,
+                logprobs=logprobs or [],
+                top_logprobs=top_logprobs or [],
+                prompt_logprobs=prompt_logprobs or [],
+                finish_reason=finish,
+                matched_stop=matched,
+                num_prompt_tokens=req.num_prompt,
+                num_cached_tokens=req.num_cached_reported,
+            )
+        )
+
+    # ---- leaving the running batch -------------------------------------------------
+
+    def _end_running(self, req: Req, reason: str, out: list[Msg]) -> None:
+        """Finish or abort a running request that no in-flight batch writes."""
+        del self.running[req.request_id]
+        self.rows.release(req.row)
+        req.row = -1
+        self._release(req, reason, out)
+
+    def _release(self, req: Req, reason: str, out: list[Msg]) -> None:
+        token_ids = req.all_ids[: req.num_computed]
+        out.append(SequenceReleased(req.request_id, token_ids, req.pages, reason))
+        self.num_held -= req.num_held_pages
+        if req.num_computed > req.num_cached:
+            self._note_insert(req, token_ids)
+        self.pool.pages_released()
+        req.pages = []
+        req.num_tree_pages = 0
+
+    def retract(self, req: Req, out: list[Msg]) -> None:
+        """Give a running request's KV back (prefix kept in the tree); it waits for the
+        cache manager's new Matched, then re-queues with its output so far."""
+        self._end_running(req, "retracted", out)
+        req.state = RETRACTED
+        req.awaiting_match = True
+        req.num_computed = 0
+        req.num_cached = 0
+        req.num_retractions += 1
+        self.retracted[req.request_id] = req
+        self._n["retractions"] += 1
+
+    # ---- time and statistics -------------------------------------------------------
+
+    def _on_tick(self, tick: Tick, out: list[Msg]) -> None:
+        if tick.now_ns <= self.now_ns:
+            self.now_ns = max(self.now_ns, tick.now_ns)
+            return
+        dt_s = (tick.now_ns - self._last_stats_ns) / 1e9 if self._last_stats_ns else 0.0
+        self.now_ns = tick.now_ns
+        n = self._n
+        out.append(
+            SchedulerStats(
+                step_id=self.step_id,
+                num_running=len(self.running),
+                num_waiting=len(self.waiting) + len(self.retracted),
+                num_used_pages=self.num_held + sum(r.num_tree_pages for r in self.running.values()),
+                num_total_pages=self.config.num_total_pages,
+                cache_hit_rate=n["cached_tokens"] / n["prompt_tokens"] if n["prompt_tokens"] else 0.0,
+                gen_throughput_tok_s=self._gen_since_stats / dt_s if dt_s > 0 else 0.0,
+            )
+        )  # fmt: skip
+        self._last_stats_ns = tick.now_ns
+        self._gen_since_stats = 0
+
+    def statistics(self) -> SchedulerStatistics:
+        n = self._n
+        return SchedulerStatistics(
+            num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            num_retracted=len(self.retracted),
+            num_steps=self.step_id,
+            num_in_flight=0 if self.in_flight is None else 1,
+            num_leased_unused=len(self.pool),
+            num_held_pages=self.num_held,
+            num_lease_requests=self.pool.num_requests,
+            num_retractions=n["retractions"],
+            num_refreshes=n["refreshes"],
+            num_chunks_cached=n["chunks"],
+            num_finished=n["finished"],
+            num_aborted=n["aborted"],
+            num_failed=n["failed"],
+            num_prefill_tokens=n["prefill_tokens"],
+            num_generated_tokens=n["generated"],
+            num_unexpected=n["unexpected"],
+            new_token_ratio=self.new_token_ratio,
+            admission_paused=bool(self.paused_by),
+            version=self.version,
+        )

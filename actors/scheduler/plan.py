@@ -1,0 +1,331 @@
+"""Planning one step: KV for the decodes (retracting if it cannot be had), chunked
+prefill continuation, admission under the budgets, decode entries, lease upkeep.
+
+Functions here read and change a SchedulerCore's state; they are split from core.py
+only to keep each file readable. See core.py for the theory of operation.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from shunter.actors.scheduler.batch import BatchBuilder, InFlight
+from shunter.actors.scheduler.req import RUNNING, Req
+from shunter.bus.messages import FinishReason, ForwardBatch, Msg, RefreshMatch, RowOpen
+
+if TYPE_CHECKING:
+    from shunter.actors.scheduler.core import SchedulerCore
+
+
+def plan_step(core: SchedulerCore, out: list[Msg]) -> ForwardBatch | None:
+    """The next batch, or None when there is nothing to run (or KV must come first).
+    Messages besides the batch (releases, refreshes, leases) go to `out`."""
+    cfg = core.config
+    ps = cfg.page_size
+    pool = core.pool
+    if core.retract_all_pending:
+        for req in list(core.running.values()):
+            core.retract(req, out)
+        core.retract_all_pending = False
+
+    decodes: list[Req] = []
+    prefilling: list[Req] = []
+    for r in core.running.values():
+        (prefilling if r.prefilling else decodes).append(r)
+    # A decode at position p needs a new page when p starts one.
+    need = sum(1 for r in decodes if r.num_computed >= len(r.pages) * ps)
+    if need > len(pool):
+        if pool.outstanding is not None:
+            return None  # the grant is on its way
+        if not pool.cache_short:
+            out.append(pool.request(max(cfg.lease_min_pages, need - len(pool) + _want(core))))
+            return None
+        # The cache could not grant more since our last release: make room by retracting.
+        need = _retract_for(core, decodes, prefilling, need, out)
+        if need > len(pool):
+            if pool.outstanding is None:
+                out.append(pool.request(max(cfg.lease_min_pages, need - len(pool))))
+            return None
+
+    builder = BatchBuilder()
+    pages_left = len(pool) - need
+    prefill_left = cfg.max_prefill_tokens
+    chunk_left = cfg.chunk_tokens  # None: unbounded
+    core.admission_deficit = 0
+    for r in prefilling:  # the chunked prefill in progress continues first
+        n, num_pages = _extend_size(r, chunk_left, pages_left, ps, by_pages=True)
+        if n <= 0:  # no page for it now: the lease below brings them for the next step
+            core.admission_deficit += _extend_size(r, chunk_left, None, ps, by_pages=False)[1]
+            continue
+        _add_extend(core, builder, r, n, num_pages)
+        prefill_left -= n
+        pages_left -= num_pages
+        if chunk_left is not None:
+            chunk_left -= n
+
+    if (
+        core.waiting
+        and not core.paused_by
+        and not core.draining
+        and len(core.running) < cfg.max_running_requests
+        and core.rows.num_free > 0
+    ):
+        _admit(core, builder, out, prefill_left, chunk_left, pages_left)
+
+    for r in decodes:
+        page = None
+        if r.num_computed >= len(r.pages) * ps:
+            page = pool.take_one()
+            r.pages.append(page)
+            core.num_held += 1
+        builder.add_decode(r, page)
+
+    _keep_lease(core, out, builder)
+    if not len(builder):
+        return None
+    core.step_id += 1
+    batch = builder.build(core.step_id, core.rows.take_closes(), core.version)
+    core.in_flight = InFlight(core.step_id, builder.entries)
+    return batch
+
+
+def _admit(
+    core: SchedulerCore,
+    builder: BatchBuilder,
+    out: list[Msg],
+    prefill_left: int,
+    chunk_left: int | None,
+    pages_left: int,
+) -> None:
+    """Admit waiting requests in policy order until one does not fit (then stop: a
+    later, smaller request must not overtake it)."""
+    cfg = core.config
+    ps = cfg.page_size
+    ratio = core.new_token_ratio
+    clip = cfg.max_reserve_tokens_per_request
+    rem_total: float | None = None
+    if cfg.num_total_pages:
+        rem_total = float(cfg.num_total_pages * ps)
+        for r in core.running.values():
+            rem_total -= len(r.pages) * ps + ratio * min(r.remaining_new_tokens(), clip)
+    num_slots = min(cfg.max_running_requests - len(core.running), core.rows.num_free)
+    order = core.order.order(core.waiting.values(), core.now_ns)
+    stop_at = len(order)  # first candidate left for a later step
+    lookahead = True  # size the lease for the next step's admission when we stop
+    for i, r in enumerate(order):
+        if num_slots <= 0:
+            stop_at, lookahead = i, False
+            break
+        if r.awaiting_match:
+            continue
+        if _needs_refresh(core, r):
+            out.append(RefreshMatch(r.request_id))
+            r.awaiting_match = True
+            r.refresh_version = core.tree_version_estimate
+            core._n["refreshes"] += 1
+            continue
+        first = len(builder) == 0
+        extend = len(r.all_ids) - r.num_computed
+        if (not first and extend > prefill_left) or prefill_left <= 0 or chunk_left == 0:
+            stop_at = i  # the budget is spent; the first request of a step always goes in
+            break
+        cost = extend + ratio * min(r.remaining_new_tokens(), clip)
+        if rem_total is not None and cost > rem_total and not (first and not core.running):
+            stop_at, lookahead = i, False  # KV reserved for the running requests' growth
+            break
+        n, num_pages = _extend_size(r, chunk_left, None, ps, by_pages=False)
+        if num_pages > pages_left:
+            if first and not core.running and core.pool.cache_short and pages_left > 0:
+                # Nothing runs and the cache has no more: progress with what there is.
+                n, num_pages = _extend_size(r, chunk_left, pages_left, ps, by_pages=True)
+            if num_pages > pages_left or n <= 0:
+                stop_at = i  # the lease below brings its pages for the next step
+                break
+        _open(core, builder, r)
+        _add_extend(core, builder, r, n, num_pages)
+        num_slots -= 1
+        prefill_left -= n
+        pages_left -= num_pages
+        if rem_total is not None:
+            rem_total -= cost
+        if chunk_left is not None:
+            chunk_left -= n
+        if n < extend:
+            stop_at, lookahead = i + 1, False  # the step's chunked prefill takes the rest
+            break
+    if lookahead and stop_at < len(order):
+        core.admission_deficit += _next_admission_pages(core, order[stop_at:], num_slots)
+
+
+def _next_admission_pages(core: SchedulerCore, order: list[Req], num_slots: int) -> int:
+    """Pages the next step's admission would draw (its first request and what fits the
+    prefill budget after it), so the lease brings them while this step runs."""
+    cfg = core.config
+    ps = cfg.page_size
+    prefill_left = cfg.max_prefill_tokens
+    chunk_left = cfg.chunk_tokens
+    total = 0
+    for r in order:
+        if num_slots <= 0 or prefill_left <= 0 or chunk_left == 0:
+            break
+        if r.awaiting_match:
+            continue
+        extend = len(r.all_ids) - r.num_computed
+        if total and extend > prefill_left:
+            break
+        n, num_pages = _extend_size(r, chunk_left, None, ps, by_pages=False)
+        total += num_pages
+        num_slots -= 1
+        prefill_left -= n
+        if chunk_left is not None:
+            chunk_left -= n
+        if n < extend:
+            break
+    return total
+
+
+def _open(core: SchedulerCore, builder: BatchBuilder, r: Req) -> None:
+    row = core.rows.alloc()
+    r.row = row
+    r.state = RUNNING
+    del core.waiting[r.request_id]
+    core.running[r.request_id] = r
+    builder.opens.append(
+        RowOpen(row, r.request_id, list(r.pages), r.num_cached, r.sampling, r.seed,
+                r.all_ids[: r.num_cached])
+    )  # fmt: skip
+    if r.num_retractions == 0:
+        r.num_cached_reported = r.num_cached
+        core._n["prompt_tokens"] += r.num_prompt
+        core._n["cached_tokens"] += r.num_cached
+
+
+def _extend_size(
+    r: Req, chunk_left: int | None, pages_left: int | None, ps: int, *, by_pages: bool
+) -> tuple[int, int]:
+    """(tokens, new pages) of r's next prefill piece. A piece shorter than the rest of
+    the prompt ends on a page boundary (so ChunkCached hands over whole pages)."""
+    start = r.num_computed
+    remaining = len(r.all_ids) - start
+    n = remaining if chunk_left is None else min(remaining, chunk_left)
+    if by_pages and pages_left is not None:
+        n = min(n, (len(r.pages) + pages_left) * ps - start)
+    if n < remaining:
+        n = (start + n) // ps * ps - start
+    if n <= 0:
+        return 0, 0
+    return n, max(0, -(-(start + n) // ps) - len(r.pages))
+
+
+def _add_extend(core: SchedulerCore, builder: BatchBuilder, r: Req, n: int, num_pages: int):
+    pages = core.pool.take(num_pages)
+    r.pages.extend(pages)
+    core.num_held += num_pages
+    builder.add_extend(r, n, pages, sample=r.num_computed + n == len(r.all_ids))
+
+
+def _needs_refresh(core: SchedulerCore, r: Req) -> bool:
+    """Whether the tree may have grown along r's prompt since r was matched: one of our
+    own inserts since then starts with r's matched prefix plus at least one more page."""
+    if r.tree_version < 0:
+        return True  # the tree was dropped under its match: its prefix pages are gone
+    if not core.config.refresh_stale_matches:
+        return False
+    est = core.tree_version_estimate
+    if r.tree_version >= est or r.refresh_version >= est:
+        return False
+    probe = r.num_cached + core.config.page_size
+    if probe > len(r.all_ids) - 1:
+        return False  # no longer match is possible (one token must stay to compute)
+    head = r.all_ids[:probe]
+    log = core.insert_log
+    for version, extra_key, token_ids in reversed(log):
+        if version <= r.tree_version:
+            return False
+        if extra_key == r.extra_key and token_ids[:probe] == head:
+            return True
+    return len(log) == log.maxlen  # history older than the log: assume it may have grown
+
+
+def _retract_for(
+    core: SchedulerCore, decodes: list[Req], prefilling: list[Req], need: int, out: list[Msg]
+) -> int:
+    """Retract running requests until the decodes' page need fits the pool, keeping at
+    least one; returns the remaining need. Victims: fewest output tokens first, then the
+    longest prompt (SGLang's order: the least decoding work is lost)."""
+    cfg = core.config
+    ps = cfg.page_size
+    victims = sorted(prefilling + decodes, key=lambda r: (r.num_output, -r.num_prompt))
+    if len(victims) == 1:
+        # One request alone cannot grow even after the cache was asked since our last
+        # release (the rest of the pool is locked by matches): end it rather than stall.
+        (last,) = victims
+        core._emit(last, [], finish=FinishReason.ABORT)
+        core._n["aborted"] += 1
+        core._end_running(last, "aborted", out)
+        decodes.clear()
+        prefilling.clear()
+        return 0
+    alive = len(victims)
+    for v in victims:
+        if need <= len(core.pool) or alive <= 1:
+            break
+        if v in decodes:
+            decodes.remove(v)
+            if v.num_computed >= len(v.pages) * ps:
+                need -= 1
+        else:
+            prefilling.remove(v)
+        core.retract(v, out)
+        alive -= 1
+    running = list(core.running.values())
+    if running:
+        decoded = sum(r.num_output for r in running)
+        max_new = sum(r.sampling.max_new_tokens for r in running)
+        estimate = (decoded + cfg.retract_decode_steps * len(running)) / max(1, max_new)
+        # Raise the reserve: at least back to its initial value (SGLang sets it to
+        # this estimate; taking the max never lowers it on a retraction).
+        core.new_token_ratio = min(
+            1.0, max(core.new_token_ratio, estimate, cfg.init_new_token_ratio)
+        )
+    return need
+
+
+def _want(core: SchedulerCore, builder: BatchBuilder | None = None) -> int:
+    """Pages the pool should hold: the running batch's next few decode steps, the next
+    piece of a chunked prefill in this batch, plus what the last admission lacked."""
+    cfg = core.config
+    ps = cfg.page_size
+    steps = len(core.running) * cfg.lease_lookahead_steps
+    want = -(-steps // ps) + core.admission_deficit
+    chunk = cfg.chunk_tokens
+    for r, n, sample in builder.entries if builder is not None else ():
+        if not sample:  # a chunk: lease its successor's pages while this one runs
+            start = r.num_computed + n
+            end = len(r.all_ids) if chunk is None else min(len(r.all_ids), start + chunk)
+            want += max(0, -(-end // ps) - len(r.pages))
+    return want
+
+
+def lease_ahead(core: SchedulerCore, out: list[Msg]) -> None:
+    """While a batch is in flight: lease the pages the next step's admission will want
+    (a request that just arrived), so they are in the pool when that step is planned."""
+    cfg = core.config
+    num_slots = min(cfg.max_running_requests - len(core.running), core.rows.num_free)
+    if num_slots <= 0 or core.paused_by or core.draining or core.pool.outstanding:
+        return
+    order = core.order.order(core.waiting.values(), core.now_ns)
+    core.admission_deficit = _next_admission_pages(core, order, num_slots)
+    _keep_lease(core, out, None)
+
+
+def _keep_lease(core: SchedulerCore, out: list[Msg], builder: BatchBuilder | None) -> None:
+    cfg = core.config
+    pool = core.pool
+    if pool.outstanding is not None:
+        return
+    want = _want(core, builder)
+    if len(pool) < want and not pool.cache_short:
+        out.append(pool.request(max(cfg.lease_min_pages, want - len(pool))))
+    elif len(pool) > want + cfg.lease_max_surplus_pages:
+        out.append(pool.give_back(len(pool) - want - cfg.lease_max_surplus_pages // 2))

@@ -1,0 +1,114 @@
+"""One request as the scheduler sees it, and the stop conditions that need token ids.
+
+A request's tokens are `all_ids` (prompt, then output). KV exists for the first
+`num_computed` of them, in `pages` (page j holds positions [j*page_size, (j+1)*page_size)).
+The first `num_tree_pages` pages belong to the cache manager (the matched prefix, and
+whatever a ChunkCached handed over); the rest were drawn from the scheduler's lease pool
+and count as "held by requests" in the census.
+
+Invariants
+    - len(pages) * page_size >= num_computed (every computed position has a page).
+    - num_cached <= num_computed <= len(all_ids); a running request that finished its
+      prefill has num_computed == len(all_ids) - 1 (the last sampled token has no KV
+      yet: the next decode step computes it).
+"""
+
+from __future__ import annotations
+
+from shunter.bus.messages import FinishReason, Matched, SamplingParams
+
+WAITING = "waiting"  # in the waiting queue, holding only its matched prefix
+RUNNING = "running"  # holds a row; prefilling (num_computed < len(all_ids) - 1) or decoding
+RETRACTED = "retracted"  # released for lack of KV; waits for the cache manager's new Matched
+
+
+class Req:
+    __slots__ = (
+        "abort_reason", "all_ids", "awaiting_match", "enqueue_seq", "enqueued_ns",
+        "extra_key", "num_cached", "num_cached_reported", "num_computed", "num_prompt",
+        "num_retractions", "num_tree_pages", "pages", "priority", "refresh_version",
+        "request_id", "row", "sampling", "seed", "state", "stop_ids", "stream",
+        "tree_version",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        m: Matched,
+        *,
+        page_size: int,
+        enqueue_seq: int,
+        enqueued_ns: int,
+        seed: int,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        r = m.request
+        self.request_id: str = r.request_id
+        self.sampling: SamplingParams = r.sampling
+        self.priority = r.priority
+        self.extra_key = r.extra_key
+        self.stream = r.stream
+        self.all_ids: list[int] = list(r.input_ids)
+        self.num_prompt = len(r.input_ids)
+        self.num_cached_reported = m.num_cached_tokens
+        self.state = WAITING
+        self.row = -1
+        self.enqueue_seq = enqueue_seq
+        self.enqueued_ns = enqueued_ns
+        self.seed = seed
+        self.abort_reason: str | None = None  # set while an abort waits for a step/match
+        self.awaiting_match = False  # a RefreshMatch or retraction is unanswered
+        self.refresh_version = -1  # tree version estimate when last refreshed
+        self.num_retractions = 0
+        stop = set(r.sampling.stop_token_ids)
+        eos = set(eos_token_ids)
+        self.stop_ids = frozenset(stop - eos if r.sampling.ignore_eos else stop | eos)
+        self.pages: list[int] = []
+        self.num_tree_pages = 0
+        self.num_cached = 0
+        self.num_computed = 0
+        self.tree_version = 0
+        self.apply_match(m, page_size)
+
+    def apply_match(self, m: Matched, page_size: int) -> None:
+        """Take a (new) match as the prefix; the request must hold no pages of its own."""
+        pages = list(m.prefix_pages)
+        num_cached = min(m.num_cached_tokens, len(pages) * page_size)
+        # Keep at least one token to compute (its logits give the next token). The cache
+        # manager promises this; trimming whole pages keeps us safe if it did not.
+        while num_cached >= len(self.all_ids) and pages:
+            pages.pop()
+            num_cached = min(num_cached, len(pages) * page_size)
+        del pages[-(-num_cached // page_size) :]  # drop pages beyond the match
+        self.pages = pages
+        self.num_tree_pages = len(pages)
+        self.num_cached = num_cached
+        self.num_computed = num_cached
+        self.tree_version = m.tree_version
+
+    @property
+    def num_output(self) -> int:
+        return len(self.all_ids) - self.num_prompt
+
+    @property
+    def num_held_pages(self) -> int:
+        return len(self.pages) - self.num_tree_pages
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < len(self.all_ids) - 1
+
+    def remaining_new_tokens(self) -> int:
+        return max(0, self.sampling.max_new_tokens - self.num_output)
+
+
+def check_stop(req: Req, token_id: int, max_context_len: int) -> tuple[str, int | None] | None:
+    """After `token_id` was appended to `req.all_ids`: (finish_reason, matched_stop) or None.
+
+    Order: a stop token (once min_new_tokens are out) wins over the length limits, so a
+    request whose last allowed token is eos reports "stop" with matched_stop."""
+    n = req.num_output
+    if token_id in req.stop_ids and n >= req.sampling.min_new_tokens:
+        return FinishReason.STOP, token_id
+    if n >= req.sampling.max_new_tokens or len(req.all_ids) >= max_context_len:
+        return FinishReason.LENGTH, None
+    return None

@@ -31,7 +31,10 @@ def configure(level: str = "info", fmt: str = "auto", *, stream=None) -> None:
     renderer = (
         structlog.processors.JSONRenderer()
         if fmt == "json"
-        else structlog.dev.ConsoleRenderer(colors=getattr(stream, "isatty", lambda: False)())
+        else structlog.dev.ConsoleRenderer(
+            colors=getattr(stream, "isatty", lambda: False)(),
+            exception_formatter=structlog.dev.plain_traceback,
+        )
     )
     structlog.configure(
         processors=[

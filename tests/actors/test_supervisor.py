@@ -1,0 +1,458 @@
+"""Supervisor: the pure core fed by hand, then the shell with small actors on the real
+in-process bus (real tasks, real heartbeats, real timeouts)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import anyio
+import pytest
+
+from shunter.actors.supervisor import EmbeddedActor, Supervisor, run_with_heartbeats
+from shunter.actors.supervisor_core import (
+    NS,
+    ActorSpec,
+    Exit,
+    Exited,
+    HealthChanged,
+    Publish,
+    StartActors,
+    Started,
+    StopActor,
+    SupervisorConfig,
+    SupervisorCore,
+    Terminate,
+    Tick,
+)
+from shunter.bus.messages import (
+    AbortRequest,
+    ActorDied,
+    GenerateRequest,
+    Heartbeat,
+    Ready,
+    RequestFailed,
+    SamplingParams,
+    Shutdown,
+    TextDelta,
+    TextDeltas,
+)
+from shunter.bus.transport import InProcHub
+
+ACTORS = [ActorSpec("executor.0", "executor", 0), ActorSpec("cache", "cache", 1),
+          ActorSpec("scheduler", "scheduler", 1), ActorSpec("gateway", "gateway", 2)]  # fmt: skip
+
+
+def _core(watchdog_s=10.0, shutdown_s=5.0):
+    cfg = SupervisorConfig(ACTORS, watchdog_timeout_s=watchdog_s, shutdown_timeout_s=shutdown_s,
+                           tick_interval_s=1.0)  # fmt: skip
+    return SupervisorCore(cfg)
+
+
+def _ready(actor_id, kind="x"):
+    return Ready(kind, actor_id)
+
+
+def _serving_core(**kw):
+    core = _core(**kw)
+    t = 0
+    core.start(t)
+    for stage in (["executor.0"], ["cache", "scheduler"], ["gateway"]):
+        for a in stage:
+            core.handle(Started(a), t)
+        for a in stage:
+            core.handle(_ready(a), t)
+    assert core.state == "serving"
+    return core
+
+
+def _gen(rid):
+    return GenerateRequest(rid, SamplingParams(), text="hi")
+
+
+def _published(actions):
+    return [a.msg for a in actions if isinstance(a, Publish)]
+
+
+# ---- core ----------------------------------------------------------------------------
+
+
+def test_stages_start_in_order_and_serving_after_the_last_ready():
+    core = _core()
+    assert core.start(0) == [HealthChanged("starting"), StartActors(["executor.0"])]
+    assert core.handle(Started("executor.0"), 0) == []
+    assert core.handle(_ready("executor.0"), 1) == [StartActors(["cache", "scheduler"])]
+    core.handle(Started("cache"), 1)
+    core.handle(Started("scheduler"), 1)
+    assert core.handle(_ready("cache"), 2) == []  # scheduler not ready yet: no gateway
+    assert core.handle(_ready("cache"), 2) == []  # a repeated Ready changes nothing
+    assert core.handle(_ready("scheduler"), 3) == [StartActors(["gateway"])]
+    core.handle(Started("gateway"), 3)
+    assert core.handle(_ready("gateway"), 4) == [HealthChanged("serving")]
+    assert core.statistics().num_ready == 4
+    assert core.ready_info["executor.0"].actor_id == "executor.0"
+
+
+def test_death_during_start_up_exits_1():
+    core = _core()
+    core.start(0)
+    core.handle(Started("executor.0"), 0)
+    out = core.handle(Exited("executor.0", "raised LoadError: bad file"), 5)
+    assert _published(out) == [
+        ActorDied("executor.0", "executor.0 stopped: raised LoadError: bad file")
+    ]
+    assert out[-1] == Exit(1, "start-up failed: executor.0 stopped: raised LoadError: bad file")
+    assert core.handle(Tick(), 6) == []  # nothing after Exit
+
+
+def test_not_ready_within_the_watchdog_is_a_failed_start():
+    core = _core(watchdog_s=10.0)
+    core.start(0)
+    core.handle(Started("executor.0"), 0)
+    for t in range(1, 11):
+        assert core.handle(Tick(), t * NS) == []
+    out = core.handle(Tick(), 11 * NS)
+    assert StopActor("executor.0") in out
+    assert out[-1] == Exit(1, "start-up failed: executor.0 not ready after 10 s")
+
+
+def test_death_while_serving_fails_in_flight_requests_and_turns_unhealthy():
+    core = _serving_core()
+    core.handle(_gen("r1"), 0)
+    core.handle(_gen("r2"), 0)
+    core.handle(TextDeltas([TextDelta("r2", "x", [1], finish_reason="stop")]), 0)
+    core.handle(_gen("r3"), 0)
+    core.handle(RequestFailed("r3", "invalid_request", "bad"), 0)
+    assert core.statistics().num_in_flight == 1
+    out = core.handle(Exited("scheduler", "exit code -9"), 1)
+    assert _published(out) == [
+        ActorDied("scheduler", "scheduler stopped: exit code -9"),
+        RequestFailed("r1", "actor_died", "scheduler stopped: exit code -9", http_status=503),
+    ]
+    assert out[-1] == HealthChanged("unhealthy", "scheduler stopped: exit code -9")
+    assert not any(isinstance(a, Exit) for a in out)
+    assert core.handle(Exited("scheduler", "again"), 2) == []  # dies once
+    # requests opened after the death are failed by the next death, not forgotten
+    core.handle(_gen("r4"), 3)
+    out = core.handle(Exited("cache", "exit code 1"), 4)
+    assert RequestFailed(
+        "r4", "actor_died", "cache stopped: exit code 1", http_status=503
+    ) in _published(out)
+    s = core.statistics()
+    assert (s.num_dead, s.num_failed_by_death, s.state) == (2, 2, "unhealthy")
+
+
+def test_missed_heartbeats_kill_the_actor():
+    core = _serving_core(watchdog_s=3.0)
+    for t in range(1, 8):  # ticks every second, as configured: no stall
+        core.handle(Heartbeat("executor.0", t), t * NS)
+        core.handle(Heartbeat("cache", t), t * NS)
+        core.handle(Heartbeat("gateway", t), t * NS)
+        out = core.handle(Tick(), t * NS)
+        if t < 4:
+            assert out == []
+        else:
+            # the scheduler's deadline was 0 + 3 s: at t=4 it is dead, once
+            assert (out != []) == (t == 4)
+    assert core.statistics().num_dead == 1
+
+
+def test_hung_actor_gets_stop_and_died():
+    core = _serving_core(watchdog_s=3.0)
+    for t in range(1, 5):
+        for a in ("executor.0", "cache", "gateway"):
+            core.handle(Heartbeat(a, t), t * NS)
+        out = core.handle(Tick(), t * NS)
+    assert out[0] == StopActor("scheduler")
+    assert _published(out) == [ActorDied("scheduler", "scheduler sent no heartbeat for 3 s")]
+
+
+def test_observer_stall_is_not_blamed_on_actors():
+    core = _serving_core(watchdog_s=5.0)  # everyone's deadline: 5 s
+    core.handle(Tick(), 1 * NS)
+    # the observer's loop was blocked for 20 s: the next tick comes late
+    assert core.handle(Tick(), 21 * NS) == []
+    assert core.statistics().stall_ns == 18 * NS  # 20 s late minus 2 tick intervals
+    assert core.handle(Tick(), 22 * NS) == []  # deadlines moved to 23 s: still alive
+    for a in ("executor.0", "cache", "gateway"):
+        core.handle(Heartbeat(a, 1), 22 * NS)
+    assert core.handle(Tick(), 23 * NS) == []
+    out = core.handle(Tick(), 24 * NS)
+    assert _published(out) == [ActorDied("scheduler", "scheduler sent no heartbeat for 5 s")]
+
+
+def test_gateway_death_stops_the_server():
+    core = _serving_core()
+    out = core.handle(Exited("gateway", "raised OSError: port in use"), 1)
+    assert out[-1] == Exit(1, "gateway stopped: raised OSError: port in use")
+
+
+def test_drain_waits_for_in_flight_then_exits_0():
+    core = _serving_core(shutdown_s=5.0)
+    core.handle(_gen("r1"), 0)
+    out = core.handle(Terminate("SIGTERM"), 1 * NS)
+    assert out == [HealthChanged("draining", "SIGTERM"),
+                   Publish(Shutdown("SIGTERM", drain_timeout_s=5.0))]  # fmt: skip
+    # a request arriving now is refused and aborted
+    out = core.handle(_gen("late"), 1 * NS)
+    assert _published(out) == [
+        RequestFailed("late", "shutting_down", "the server is shutting down", http_status=503),
+        AbortRequest("late", reason="shutdown"),
+    ]
+    assert core.handle(TextDeltas([TextDelta("r1", "a", [1])]), 2 * NS) == []  # not final yet
+    out = core.handle(TextDeltas([TextDelta("r1", "b", [2], finish_reason="length")]), 2 * NS)
+    assert out[-1] == Exit(0, "drained: no request in flight")
+    assert core.statistics().num_refused_while_draining == 1
+
+
+def test_drain_is_bounded_by_the_shutdown_timeout():
+    core = _serving_core(shutdown_s=2.0)
+    core.handle(_gen("r1"), 0)
+    core.handle(Terminate("SIGTERM"), 0)
+    assert core.handle(Tick(), 1 * NS) == []
+    out = core.handle(Tick(), 2 * NS)
+    reason = "drain timed out with 1 request(s) in flight"
+    assert _published(out) == [RequestFailed("r1", "shutting_down", reason, http_status=503)]
+    assert out[-1] == Exit(0, reason)
+
+
+def test_drain_with_nothing_in_flight_exits_at_once_and_second_signal_forces():
+    core = _serving_core()
+    assert core.handle(Terminate("SIGTERM"), 0)[-1] == Exit(0, "drained: no request in flight")
+    core = _serving_core()
+    core.handle(_gen("r1"), 0)
+    core.handle(Terminate("SIGTERM"), 0)
+    assert core.handle(Terminate("SIGINT"), 0)[-1] == Exit(
+        0, "second SIGINT: stopping without waiting"
+    )
+
+
+def test_actor_death_during_drain_fails_the_rest_and_finishes_the_drain():
+    core = _serving_core()
+    core.handle(_gen("r1"), 0)
+    core.handle(Terminate("SIGTERM"), 0)
+    out = core.handle(Exited("executor.0", "exit code -9"), 1)
+    assert RequestFailed(
+        "r1", "actor_died", "executor.0 stopped: exit code -9", http_status=503
+    ) in _published(out)
+    assert out[-1] == Exit(0, "drained: no request in flight")
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="no actors"):
+        SupervisorConfig([])
+    with pytest.raises(ValueError, match="actor ids repeat"):
+        SupervisorConfig([ActorSpec("a", "x"), ActorSpec("a", "y")])
+
+
+# ---- shell on the in-process bus -----------------------------------------------------
+
+
+def _echo_actor(actor_id, bus, *, ready=True, crash_on=None):
+    """A small engine: Ready, then answers GenerateRequest text with one final delta.
+    A request whose text equals crash_on makes it raise; "hold" is never answered."""
+
+    async def main():
+        async with bus.subscribe(types=(GenerateRequest,)) as sub:
+            if ready:
+                await bus.publish(Ready("echo", actor_id))
+            async for r in sub:
+                req = r.msg
+                if req.text == crash_on:
+                    raise RuntimeError("boom")
+                if req.text != "hold":
+                    delta = TextDelta(req.request_id, req.text.upper(), [1], finish_reason="stop")
+                    await bus.publish(TextDeltas([delta]))
+
+    return main
+
+
+@contextlib.asynccontextmanager
+async def _deployment(specs, make_main, *, watchdog_s=5.0, shutdown_s=2.0, beats=True,
+                      on_start=None):  # fmt: skip
+    """Run a Supervisor over embedded test actors; yields (supervisor, client bus)."""
+    hub = InProcHub()
+    cfg = SupervisorConfig(specs, watchdog_timeout_s=watchdog_s, shutdown_timeout_s=shutdown_s,
+                           tick_interval_s=0.05)  # fmt: skip
+    sup_bus = hub.connect("supervisor")
+
+    async def launch(spec, ready_info):
+        bus = hub.connect(spec.actor_id)
+        main = make_main(spec, bus, ready_info)
+        body = (lambda: run_with_heartbeats(spec.actor_id, main, bus, 0.05)) if beats else main
+        handle = EmbeddedActor(spec.actor_id, body)
+        actors_tg.start_soon(handle.run)
+        return handle
+
+    sup = Supervisor(cfg, sup_bus, {s.kind: launch for s in specs}, handle_signals=False,
+                     stop_grace_s=0.5)  # fmt: skip
+    async with anyio.create_task_group() as actors_tg:
+        yield sup, hub.connect("client")
+        actors_tg.cancel_scope.cancel()
+
+
+async def _ask(client, rid, text, timeout_s=2.0):
+    outcome = None
+    with anyio.fail_after(timeout_s):
+        async with client.subscribe(types=(TextDeltas, RequestFailed)) as sub:
+            await client.publish(GenerateRequest(rid, SamplingParams(), text=text))
+            async for r in sub:
+                m = r.msg
+                if isinstance(m, RequestFailed) and m.request_id == rid:
+                    return m
+                if isinstance(m, TextDeltas):
+                    for d in m.deltas:
+                        if d.request_id == rid and d.finish_reason:
+                            return d
+    return outcome
+
+
+async def _wait_health(sup, state, timeout_s=3.0):
+    with anyio.fail_after(timeout_s):
+        while sup.health != state:
+            await anyio.sleep(0.01)
+
+
+SPECS = [ActorSpec("a", "a", 0), ActorSpec("b", "b", 1)]
+
+
+@pytest.mark.anyio
+async def test_shell_starts_stages_serves_and_drains_on_terminate():
+    started = []
+
+    def make_main(spec, bus, ready_info):
+        started.append((spec.actor_id, sorted(ready_info)))
+        return (
+            _echo_actor(spec.actor_id, bus) if spec.actor_id == "b" else _ready_then_idle(spec, bus)
+        )
+
+    async with _deployment(SPECS, make_main) as (sup, client):
+        async with anyio.create_task_group() as tg:
+            result = {}
+
+            async def run():
+                result["code"] = await sup.run()
+
+            tg.start_soon(run)
+            await _wait_health(sup, "serving")
+            assert started == [("a", []), ("b", ["a"])]  # b saw a's Ready info before starting
+            d = await _ask(client, "r1", "hello")
+            assert d.text == "HELLO"
+            # a held request keeps the drain open until the shutdown timeout
+            held = anyio.Event()
+
+            async def hold():
+                result["held"] = await _ask(client, "r2", "hold", timeout_s=5.0)
+                held.set()
+
+            tg.start_soon(hold)
+            await anyio.sleep(0.1)
+            await sup.terminate()
+            assert sup.health == "draining"
+            refused = await _ask(client, "r3", "hold")  # only the supervisor can answer it
+            assert (refused.code, refused.http_status) == ("shutting_down", 503)
+        assert result["code"] == 0
+        assert (result["held"].code, result["held"].http_status) == ("shutting_down", 503)
+        assert sup.exit.reason == "drain timed out with 1 request(s) in flight"
+        assert sup.statistics().num_heartbeats > 0
+
+
+def _ready_then_idle(spec, bus):
+    async def main():
+        await bus.publish(Ready("idle", spec.actor_id))
+        await anyio.sleep_forever()
+
+    return main
+
+
+@pytest.mark.anyio
+async def test_shell_crash_while_serving_fails_in_flight_and_reports_unhealthy():
+    def make_main(spec, bus, ready_info):
+        if spec.actor_id == "a":
+            return _echo_actor("a", bus, crash_on="crash")
+        return _ready_then_idle(spec, bus)
+
+    async with _deployment(SPECS, make_main) as (sup, client):
+        died = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sup.run)
+            await _wait_health(sup, "serving")
+
+            async def watch():
+                async with client.subscribe(types=(ActorDied,)) as sub:
+                    async for r in sub:
+                        died.append(r.msg)
+
+            tg.start_soon(watch)
+            await anyio.sleep(0.05)
+
+            result = {}
+
+            async def pending():
+                result["r1"] = await _ask(client, "r1", "hold")
+
+            tg.start_soon(pending)
+            await anyio.sleep(0.1)
+            failed = await _ask(client, "r2", "crash")
+            assert (failed.code, failed.http_status) == ("actor_died", 503)
+            await _wait_health(sup, "unhealthy")
+            await anyio.sleep(0.05)
+            assert result["r1"].code == "actor_died"  # the held request did not hang
+            assert [d.actor_id for d in died] == ["a"]
+            assert "raised RuntimeError: boom" in died[0].reason
+            await sup.terminate()
+            tg.cancel_scope.cancel()  # the watcher
+        assert sup.exit.code == 0
+
+
+@pytest.mark.anyio
+async def test_shell_actor_without_heartbeats_is_declared_dead():
+    def make_main(spec, bus, ready_info):
+        return _ready_then_idle(spec, bus)
+
+    async with _deployment(SPECS, make_main, watchdog_s=0.5, beats=False) as (sup, _client):
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sup.run)
+                await _wait_health(sup, "serving")
+                await _wait_health(sup, "unhealthy")
+                assert "sent no heartbeat for 0.5 s" in sup.health_reason
+                await sup.terminate()
+
+
+@pytest.mark.anyio
+async def test_shell_start_failure_exits_1_without_starting_later_stages():
+    started = []
+
+    def make_main(spec, bus, ready_info):
+        started.append(spec.actor_id)
+
+        async def main():
+            raise FileNotFoundError("no weights")
+
+        return main
+
+    async with _deployment(SPECS, make_main) as (sup, _):
+        with anyio.fail_after(5):
+            code = await sup.run()
+        assert code == 1
+        assert started == ["a"]
+        assert sup.exit.reason == "start-up failed: a stopped: raised FileNotFoundError: no weights"
+
+
+@pytest.mark.anyio
+async def test_shell_start_timeout_exits_1():
+    def make_main(spec, bus, ready_info):
+        async def main():
+            await anyio.sleep_forever()  # never Ready
+
+        return main
+
+    async with _deployment(SPECS, make_main, watchdog_s=0.3) as (sup, _):
+        with anyio.fail_after(5):
+            code = await sup.run()
+        assert (code, sup.exit.reason) == (1, "start-up failed: a not ready after 0.3 s")
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"

@@ -175,6 +175,19 @@ def _connect(args: argparse.Namespace, role: str):
     )
 
 
+async def _wait_connected(waiting, bus, args: argparse.Namespace) -> None:
+    import anyio
+
+    try:
+        with anyio.fail_after(args.connect_timeout_s):
+            await waiting
+    except TimeoutError:
+        raise TimeoutError(
+            f"no broker answered at {bus.endpoints.backend} within {args.connect_timeout_s} s "
+            "(is it running? --frontend/--backend/--runtime-dir pick it)"
+        ) from None
+
+
 async def _tail(args: argparse.Namespace) -> int:
     import anyio
 
@@ -186,8 +199,7 @@ async def _tail(args: argparse.Namespace) -> int:
         # Everything is received and topics are filtered here: a subscription that
         # skips some of a publisher's topics would see its seq jump and report gaps.
         sub = bus.subscribe_raw()
-        with anyio.fail_after(args.connect_timeout_s):
-            await sub.wait_connected(args.connect_timeout_s)
+        await _wait_connected(sub.wait_connected(args.connect_timeout_s), bus, args)
         print(f"busctl: tailing {bus.endpoints.backend}", file=sys.stderr, flush=True)
         with anyio.move_on_after(args.duration_s if args.duration_s > 0 else None):
             async for frames in sub:
@@ -230,8 +242,7 @@ async def _record(args: argparse.Namespace) -> int:
         tg.start_soon(
             lambda: record(bus, args.directory, config, prefixes=prefixes, started=started)
         )
-        with anyio.fail_after(args.connect_timeout_s):
-            await started.wait()
+        await _wait_connected(started.wait(), bus, args)
         print(f"busctl: recording to {args.directory}", file=sys.stderr, flush=True)
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             with anyio.move_on_after(args.duration_s if args.duration_s > 0 else None):
@@ -267,15 +278,7 @@ def _dump(args: argparse.Namespace) -> int:
         if msg is not None and not flt.wants(msg):
             continue
         renderer.emit(renderer.line(topic, env, msg, error))
-    _warn_torn(reader)
-    return 0
-
-
-def _warn_torn(reader: LogReader) -> None:
-    st = reader.statistics()
-    if st.torn:
-        where = ", ".join(st.torn_segments)
-        print(f"busctl: torn tail ({st.num_torn_bytes} bytes) at {where}", file=sys.stderr)
+    return 0  # a torn tail was logged as a warning on stderr
 
 
 def log_statistics(records: Iterator[Record]) -> dict[str, Any]:
@@ -387,14 +390,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="busctl", description=__doc__.splitlines()[0], allow_abbrev=False
     )
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
+                        help="structured log lines on stderr (default warning)")  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = sub.add_parser("tail", help="show the live stream of a broker", allow_abbrev=False)
+
+    def command(name: str, help_: str, run, is_async: bool = False) -> argparse.ArgumentParser:
+        p = sub.add_parser(
+            name, parents=[common], help=help_, description=help_, allow_abbrev=False
+        )
+        p.set_defaults(run=run, is_async=is_async)
+        return p
+
+    p = command("tail", "show the live stream of a broker", _tail, is_async=True)
     _live_options(p)
     _view_options(p)
     p.add_argument("--count", type=int, default=0, help="exit after this many lines (0: never)")
-    p.set_defaults(run=_tail, is_async=True)
 
-    p = sub.add_parser("record", help="record a live broker to a log directory", allow_abbrev=False)
+    p = command("record", "record a live broker to a log directory", _record, is_async=True)
     p.add_argument("directory")
     _live_options(p)
     p.add_argument("-t", "--topic", action="append", metavar="PREFIX", help="record only these")
@@ -403,50 +416,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flush-every", type=int, default=256, help="records between flushes")
     p.add_argument("--flush-ms", type=float, default=200.0, help="flush within this many ms")
     p.add_argument("--fsync", action="store_true", help="fsync each segment when it closes")
-    p.set_defaults(run=_record, is_async=True)
 
-    p = sub.add_parser("dump", help="render a recorded log", allow_abbrev=False)
+    p = command("dump", "render a recorded log", _dump)
     p.add_argument("log", help="log directory or segment file")
     _view_options(p)
-    p.set_defaults(run=_dump, is_async=False)
 
-    p = sub.add_parser(
-        "stats", help="messages and rates per topic, gaps per publisher", allow_abbrev=False
-    )
+    p = command("stats", "messages and rates per topic, gaps per publisher", _stats)
     p.add_argument("log", help="log directory or segment file")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(run=_stats, is_async=False)
 
-    p = sub.add_parser("replay", help="replay an actor core against a log", allow_abbrev=False)
+    p = command("replay", "replay an actor core against a log", _replay)
     p.add_argument("log", help="log directory or segment file")
     p.add_argument("--actor", required=True, help="registered core name (scheduler, cache, ...)")
     p.add_argument("--actor-id", help="the actor's publisher id, if not its name")
-    p.add_argument(
-        "--run",
-        dest="run_index",
-        type=int,
-        default=0,
-        help="which run of a restarted actor (0: first)",
-    )
-    p.add_argument(
-        "--import", dest="imports", action="append", metavar="MODULE_OR_FILE",
-        help="import this first for its register_core calls (repeatable)",
-    )  # fmt: skip
+    p.add_argument("--run", dest="run_index", type=int, default=0,
+                   help="which run of a restarted actor (0: the first)")  # fmt: skip
+    p.add_argument("--import", dest="imports", action="append", metavar="MODULE_OR_FILE",
+                   help="import this first for its register_core calls (repeatable)")  # fmt: skip
     p.add_argument("--allow-short-recording", action="store_true",
                    help="accept outputs produced after the recording ended")  # fmt: skip
     p.add_argument("--json", action="store_true")
-    p.set_defaults(run=_replay, is_async=False)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        if args.is_async:
-            import anyio
+def _single(e: BaseException) -> BaseException:
+    """The one error inside (nested) single-member exception groups from task groups."""
+    while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+        e = e.exceptions[0]
+    return e
 
-            return anyio.run(args.run, args, backend="asyncio")
-        return args.run(args)
+
+def main(argv: list[str] | None = None) -> int:
+    from shunter.ops.logging import configure
+
+    args = build_parser().parse_args(argv)
+    configure(args.log_level, "console", stream=sys.stderr)
+    try:
+        try:
+            if args.is_async:
+                import anyio
+
+                return anyio.run(args.run, args, backend="asyncio")
+            return args.run(args)
+        except BaseExceptionGroup as group:
+            raise _single(group) from None
     except (FileNotFoundError, LogCorrupt, LogDecodeError, KeyError, LookupError, ValueError,
             TimeoutError) as e:  # fmt: skip
         message = e.args[0] if isinstance(e, KeyError) and e.args else e

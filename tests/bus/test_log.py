@@ -10,6 +10,8 @@ import zlib
 import anyio
 import msgspec
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from shunter.bus.codec import encode
 from shunter.bus.log import (
@@ -285,3 +287,48 @@ def test_record_framing_is_length_crc_and_the_msgpack_array_of_the_frames(size):
     payload = msgspec.msgpack.encode((b"sched.batch", b"\x94\xa1p\x01\x02\x03", body))
     assert rec[8:] == payload and int.from_bytes(rec[:4], "little") == len(payload)
     assert int.from_bytes(rec[4:8], "little") == zlib.crc32(payload, zlib.crc32(rec[:4]))
+
+
+def _one_segment_log(tmp_path_factory, n: int = 40):
+    directory = tmp_path_factory.mktemp("log")
+    write(directory, traffic(n))
+    (seg,) = list_segments(directory)
+    offsets = [r.offset for r in LogReader(directory).records()]
+    return directory, seg, seg.read_bytes(), offsets
+
+
+@given(cut=st.integers(min_value=0, max_value=10**6))
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_any_truncation_reads_every_whole_record_before_it(tmp_path_factory, cut):
+    directory, seg, data, offsets = _one_segment_log(tmp_path_factory)
+    cut = len(MAGIC) + cut % (len(data) - len(MAGIC) + 1)
+    seg.write_bytes(data[:cut])
+    reader = LogReader(directory)
+    got = list(reader.records())
+    whole = [o for o, end in zip(offsets, [*offsets[1:], len(data)]) if end <= cut]
+    assert [r.offset for r in got] == whole
+    at_boundary = cut in (*offsets, len(data))
+    assert reader.statistics().torn == (not at_boundary)
+
+
+@given(pos=st.integers(min_value=0, max_value=10**6), flip=st.integers(min_value=1, max_value=255))
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_any_flipped_byte_is_caught_where_it_lies(tmp_path_factory, pos, flip):
+    directory, seg, data, offsets = _one_segment_log(tmp_path_factory)
+    pos = len(MAGIC) + pos % (len(data) - len(MAGIC))
+    damaged = bytearray(data)
+    damaged[pos] ^= flip
+    seg.write_bytes(bytes(damaged))
+    hit = max(o for o in offsets if o <= pos)  # the record holding the byte
+    reader = LogReader(directory)
+    if hit == offsets[-1]:  # the last record: indistinguishable from a torn write
+        assert [r.offset for r in reader.records()] == offsets[:-1]
+        assert reader.statistics().torn_segments == [f"{seg.name}@{hit}"]
+    else:
+        with pytest.raises(LogCorrupt) as e:
+            list(reader.records())
+        assert e.value.offset == hit

@@ -36,6 +36,8 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Row indices must be below this (rows are the scheduler's running slots)."""
     load_progress: bool = True
     """Show a progress bar while loading weights."""
+    model_overrides: dict[str, int | float | str] = {}
+    """ModelConfig fields to override (e.g. num_layers for a small dummy model)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -8,11 +8,9 @@ import math
 import pathlib
 
 import pytest
-import torch
 
 from shunter.actors.executor.core import ExecutorCore
 from shunter.actors.executor.kv_pool import KVPool
-from shunter.actors.executor.loader import load_model
 from shunter.actors.executor.runner import ModelRunner
 from shunter.bus.messages import LAST_SAMPLED, ForwardBatch, RowOpen, SamplingParams, StepResult
 
@@ -24,10 +22,9 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=32)
 
 
 @pytest.fixture(scope="module")
-def model():
-    torch.set_num_threads(2)
-    m, cfg = load_model(None, dtype=torch.float32, progress=False)
-    return m, cfg
+def model(default_model):
+    """(model, config) of the default GGUF in float32, loaded once per session."""
+    return default_model
 
 
 def make_core(model, *, page_size=1, num_pages=None) -> ExecutorCore:

@@ -1,0 +1,156 @@
+"""The executor actor on the real in-process bus, under anyio: load (seeded dummy weights
+of a small Llama config), Ready, batches in, StepResults out."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import anyio
+import pytest
+
+from shunter.actors.executor.actor import build_core, run
+from shunter.actors.executor.config import ExecutorConfig
+from shunter.bus.messages import (
+    LAST_SAMPLED,
+    ForwardBatch,
+    HealthPing,
+    Ready,
+    RowOpen,
+    SamplingParams,
+    StepResult,
+)
+from shunter.bus.transport import InProcHub
+
+# A small Llama (random weights, seeded), so these tests measure the shell, not the model.
+TINY_LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512,
+                  hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  eos_token_id=2, tie_word_embeddings=True)  # fmt: skip
+PROMPT = [1, 90, 198, 283, 359, 253, 56, 46, 111, 365, 311]  # 11 tokens
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> ExecutorConfig:
+    d = tmp_path_factory.mktemp("tiny_llama")
+    (d / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return ExecutorConfig(model_path=str(d), load_format="dummy", seed=3, max_total_tokens=256,
+                          page_size=4, load_progress=False, device="cpu")  # fmt: skip
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def batches() -> list[ForwardBatch]:
+    """Prefill (pages 0-2 of 4 tokens), three decode steps using LAST_SAMPLED, one
+    malformed batch (page overflow), then a decode step that must still work."""
+    sp = SamplingParams(temperature=0.7, top_k=50, return_logprob=True)
+    out = [
+        ForwardBatch(
+            step_id=0,
+            opens=[RowOpen(0, "r0", [], 0, sp, 11)],
+            rows=[0],
+            num_new_tokens=[11],
+            start_pos=[0],
+            input_ids=PROMPT,
+            new_pages=[5, 9, 2],
+            num_new_pages=[3],
+            sample=[True],
+        ),
+    ]
+    pages = {12: [7], 13: [], 14: []}
+    for step, pos in enumerate((11, 12, 13), start=1):
+        out.append(ForwardBatch(step_id=step, rows=[0], num_new_tokens=[1], start_pos=[pos],
+                                input_ids=[LAST_SAMPLED], new_pages=pages.get(pos, []),
+                                num_new_pages=[len(pages.get(pos, []))], sample=[True]))  # fmt: skip
+    out.append(ForwardBatch(step_id=4, rows=[0], num_new_tokens=[3], start_pos=[14],
+                            input_ids=[LAST_SAMPLED, 5, 6], sample=[True], num_new_pages=[0]))  # fmt: skip
+    out.append(ForwardBatch(step_id=5, rows=[0], num_new_tokens=[1], start_pos=[14],
+                            input_ids=[LAST_SAMPLED], sample=[True], num_new_pages=[0]))  # fmt: skip
+    return out
+
+
+@pytest.mark.anyio
+async def test_ready_and_steps_match_a_core_driven_directly(config):
+    hub = InProcHub()
+    exec_bus, sched_bus = hub.connect("executor.0"), hub.connect("scheduler")
+    results: list[StepResult] = []
+    async with anyio.create_task_group() as tg:
+        async with sched_bus.subscribe("sched.result", "health.ready") as sub:
+            tg.start_soon(run, config, exec_bus)
+            with anyio.fail_after(120):
+                ready = (await sub.receive()).msg
+            assert isinstance(ready, Ready) and ready.actor == "executor"
+            assert ready.actor_id == "executor.0"
+            info = ready.info
+            assert info["num_pages"] == 64 and info["page_size"] == 4
+            assert info["vocab_size"] == 512 and info["eos_token_ids"] == "2"
+            assert info["max_context_len"] == 1024 and info["num_layers"] == 2
+            # Everything sent back to back: the executor resolves LAST_SAMPLED itself.
+            for b in batches():
+                await sched_bus.publish(b)
+            with anyio.fail_after(120):
+                for _ in batches():
+                    results.append((await sub.receive()).msg)
+        tg.cancel_scope.cancel()
+
+    assert [r.step_id for r in results] == [0, 1, 2, 3, 4, 5]
+    assert all(r.forward_us > 0 for r in results)
+    bad = results[4]
+    assert bad.error is not None and "page overflow" in bad.error and bad.rows == []
+    good = [r for r in results if r.error is None]
+    assert len(good) == 5 and all(r.rows == [0] and len(r.token_ids) == 1 for r in good)
+    assert all(r.logprobs[0] <= 0 for r in good)
+
+    # The same inbox fed to a core built from the same config gives the same outbox:
+    # the bus round trip changes nothing, and dummy weights are seeded.
+    core = build_core(config)
+    direct = [core.handle(b)[0] for b in batches()]
+    assert [r.token_ids for r in direct] == [r.token_ids for r in results]
+    assert [r.error for r in direct] == [r.error for r in results]
+    assert core.statistics().num_failed_steps == 1
+
+
+@pytest.mark.anyio
+async def test_forward_runs_off_the_event_loop(config):
+    """While a forward is in progress the loop still routes messages: the forward is
+    held until the test has done a bus round trip; a blocked loop could not do it."""
+    core = build_core(config)
+    release = threading.Event()
+    entered = threading.Event()
+    real_forward = core.runner.forward
+
+    released_by_test: list[bool] = []
+
+    def held_forward(inp):
+        entered.set()
+        # On the loop thread this wait would block the loop, so the test could never
+        # release it: it would time out and record False.
+        released_by_test.append(release.wait(timeout=10))
+        return real_forward(inp)
+
+    core.runner.forward = held_forward
+    hub = InProcHub()
+    exec_bus, sched_bus, other = (hub.connect(n) for n in ("executor.0", "scheduler", "other"))
+    async with anyio.create_task_group() as tg:
+        async with (
+            sched_bus.subscribe("sched.result", "health.ready") as sub,
+            sched_bus.subscribe("health.ping") as pings,
+        ):
+            tg.start_soon(lambda: run(config, exec_bus, core=core))
+            with anyio.fail_after(30):
+                assert isinstance((await sub.receive()).msg, Ready)
+                await sched_bus.publish(batches()[0])
+                while not entered.is_set():
+                    await anyio.sleep(0.005)
+                await other.publish(HealthPing("p1"))
+                got = (await pings.receive()).msg
+                assert got == HealthPing("p1") and not release.is_set()
+                release.set()
+                res = (await sub.receive()).msg
+        tg.cancel_scope.cancel()
+    assert released_by_test == [True]
+    assert isinstance(res, StepResult) and res.error is None and res.rows == [0]
+    assert res.forward_us > 0

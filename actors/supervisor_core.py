@@ -13,7 +13,7 @@ Theory of operation
     server is "serving".
 
     Liveness: an actor is dead when its task/process exits, when it misses its start
-    deadline (not Ready within watchdog_timeout of being started), or when no
+    deadline (not Ready within start_timeout of being started), or when no
     Heartbeat arrived within watchdog_timeout. A death during start-up stops the
     server (exit 1: it could never serve). A death while serving publishes ActorDied
     and fails every in-flight request with RequestFailed(code "actor_died", 503): the
@@ -66,7 +66,8 @@ class ActorSpec(msgspec.Struct, frozen=True):
 
 class SupervisorConfig(msgspec.Struct, frozen=True):
     actors: list[ActorSpec]
-    watchdog_timeout_s: float = 300.0
+    watchdog_timeout_s: float = 300.0  # longest silence (no heartbeat) of a Ready actor
+    start_timeout_s: float = 600.0  # longest time from start to Ready (loading weights)
     shutdown_timeout_s: float = 30.0
     tick_interval_s: float = 0.25  # how often the shell sends Tick (for stall detection)
 
@@ -76,8 +77,10 @@ class SupervisorConfig(msgspec.Struct, frozen=True):
             raise ValueError("supervisor: no actors to supervise")
         if len(set(ids)) != len(ids):
             raise ValueError(f"supervisor: actor ids repeat: {sorted(ids)}")
-        if not self.watchdog_timeout_s > 0 or self.shutdown_timeout_s < 0:
-            raise ValueError("supervisor: watchdog_timeout_s > 0 and shutdown_timeout_s >= 0")
+        if not (self.watchdog_timeout_s > 0 and self.start_timeout_s > 0):
+            raise ValueError("supervisor: watchdog_timeout_s and start_timeout_s must be > 0")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError("supervisor: shutdown_timeout_s must be >= 0")
 
 
 # ---- events from the shell ----------------------------------------------------------
@@ -161,6 +164,7 @@ class SupervisorCore:
         self._stages = sorted({a.stage for a in config.actors})
         self._next_stage_idx = 0
         self._watchdog_ns = int(config.watchdog_timeout_s * NS)
+        self._start_ns = int(config.start_timeout_s * NS)
         self._state = "starting"
         self._in_flight: set[str] = set()
         self._drain_deadline_ns = 0
@@ -246,7 +250,7 @@ class SupervisorCore:
         actor.started = True
         if actor.state == "pending":
             actor.state = "starting"
-            actor.deadline_ns = now_ns + self._watchdog_ns
+            actor.deadline_ns = now_ns + self._start_ns
         return []
 
     def _ready(self, msg: Ready, now_ns: int) -> list[Action]:
@@ -309,7 +313,7 @@ class SupervisorCore:
         out: list[Action] = []
         for a in self._actors.values():
             if a.state == "starting" and now_ns > a.deadline_ns:
-                limit = self.config.watchdog_timeout_s
+                limit = self.config.start_timeout_s
                 out += self._died(a, f"{a.spec.actor_id} not ready after {limit:g} s", now_ns,
                                   kill=True)  # fmt: skip
             elif a.state == "ready" and now_ns > a.deadline_ns:

@@ -102,6 +102,8 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     watchdog_timeout: float = 300.0
     """Seconds an actor may miss heartbeats (or a start may take) before it is dead."""
     heartbeat_interval: float = 1.0
+    start_timeout: float = 600.0
+    """Seconds an actor may take from start to Ready (loading weights) before start-up fails."""
 
     def __post_init__(self) -> None:
         for message in _problems(self):
@@ -168,6 +170,8 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
      "seconds without a heartbeat (or to start) before an actor counts as dead"),
     ("heartbeat_interval", ("--heartbeat-interval",), "deployment",
      "seconds between actor heartbeats"),
+    ("start_timeout", ("--start-timeout",), "deployment",
+     "seconds an actor may take to become ready (load its model)"),
 )  # fmt: skip
 
 GROUPS = ("model", "server", "scheduling", "memory", "parallelism", "logging", "deployment")
@@ -220,7 +224,7 @@ def _problems(a: ServerArgs) -> list[str]:
         out.append(f"{flag('random_seed')}: must be in [0, 2**63)")
     if a.shutdown_timeout < 0:
         out.append(f"{flag('shutdown_timeout')}: must be >= 0 seconds")
-    for field in ("watchdog_timeout", "heartbeat_interval"):
+    for field in ("watchdog_timeout", "heartbeat_interval", "start_timeout"):
         if not getattr(a, field) > 0:
             out.append(f"{flag(field)}: must be > 0 seconds")
     if a.heartbeat_interval > 0 and a.watchdog_timeout <= 2 * a.heartbeat_interval:

@@ -42,8 +42,9 @@ ACTORS = [ActorSpec("executor.0", "executor", 0), ActorSpec("cache", "cache", 1)
           ActorSpec("scheduler", "scheduler", 1), ActorSpec("gateway", "gateway", 2)]  # fmt: skip
 
 
-def _core(watchdog_s=10.0, shutdown_s=5.0):
+def _core(watchdog_s=10.0, shutdown_s=5.0, start_s=20.0):
     cfg = SupervisorConfig(ACTORS, watchdog_timeout_s=watchdog_s, shutdown_timeout_s=shutdown_s,
+                           start_timeout_s=start_s,
                            tick_interval_s=1.0)  # fmt: skip
     return SupervisorCore(cfg)
 
@@ -104,8 +105,8 @@ def test_death_during_start_up_exits_1():
     assert core.handle(Tick(), 6) == []  # nothing after Exit
 
 
-def test_not_ready_within_the_watchdog_is_a_failed_start():
-    core = _core(watchdog_s=10.0)
+def test_not_ready_within_the_start_timeout_is_a_failed_start():
+    core = _core(watchdog_s=1.0, start_s=10.0)
     core.start(0)
     core.handle(Started("executor.0"), 0)
     for t in range(1, 11):
@@ -268,11 +269,11 @@ def _echo_actor(actor_id, bus, *, ready=True, crash_on=None):
 
 @contextlib.asynccontextmanager
 async def _deployment(specs, make_main, *, watchdog_s=5.0, shutdown_s=2.0, beats=True,
-                      on_start=None):  # fmt: skip
+                      start_s=10.0):  # fmt: skip
     """Run a Supervisor over embedded test actors; yields (supervisor, client bus)."""
     hub = InProcHub()
     cfg = SupervisorConfig(specs, watchdog_timeout_s=watchdog_s, shutdown_timeout_s=shutdown_s,
-                           tick_interval_s=0.05)  # fmt: skip
+                           start_timeout_s=start_s, tick_interval_s=0.05)  # fmt: skip
     sup_bus = hub.connect("supervisor")
 
     async def launch(spec, ready_info):
@@ -447,7 +448,7 @@ async def test_shell_start_timeout_exits_1():
 
         return main
 
-    async with _deployment(SPECS, make_main, watchdog_s=0.3) as (sup, _):
+    async with _deployment(SPECS, make_main, start_s=0.3) as (sup, _):
         with anyio.fail_after(5):
             code = await sup.run()
         assert (code, sup.exit.reason) == (1, "start-up failed: a not ready after 0.3 s")

@@ -32,7 +32,7 @@ SAMPLE: dict[str, str | None] = {
     "disable_cuda_graph": None, "attention_backend": "torch", "tp_size": "1", "dp_size": "1",
     "pp_size": "1", "log_level": "debug", "log_format": "json", "record_events": "/tmp/ev",
     "multi_process": None, "shutdown_timeout": "5", "watchdog_timeout": "60",
-    "heartbeat_interval": "0.5",
+    "heartbeat_interval": "0.5", "start_timeout": "30",
 }  # fmt: skip
 ALIASES = [(field, flag) for field, flags, _, _ in OPTIONS for flag in flags]
 
@@ -169,6 +169,7 @@ ERRORS = [
     (["--shutdown-timeout", "-1"], "--shutdown-timeout -1.0: must be >= 0 seconds"),
     (["--watchdog-timeout", "0"], "--watchdog-timeout 0.0: must be > 0 seconds"),
     (["--heartbeat-interval", "0"], "--heartbeat-interval 0.0: must be > 0 seconds"),
+    (["--start-timeout", "0"], "--start-timeout 0.0: must be > 0 seconds"),
     (["--watchdog-timeout", "1.5"], "--watchdog-timeout 1.5: must exceed twice --heartbeat-interval"),
     (["--api-key", ""], "--api-key: must not be empty"),
     (["--admin-api-key", ""], "--admin-api-key: must not be empty"),

@@ -257,3 +257,126 @@ async def test_each_run_of_a_restarted_actor_replays_from_its_own_config(tmp_pat
     assert (first.num_inbox, second.num_inbox) == (40, 20)
     with pytest.raises(LookupError, match="run 2 of 'accumulator' asked, the log has 2"):
         replay(log, ACTOR, run=2)
+
+
+# --- the real scheduler and cache manager cores ------------------------------------
+# Until their shells register them, these specs follow the same contract: each shell
+# publishes its config (SchedulerConfigured / Ready.info) first, feeds its core what
+# its subscription delivers and publishes every output.
+
+SCHED_INBOX = ("cache.matched", "cache.lease.granted", "sched.result", "req.abort",
+               "sched.tick", "flip.", "health.shutdown", "cache.dropped")  # fmt: skip
+CACHE_INBOX = ("tok.tokenized", "cache.refresh", "cache.lease.request", "cache.lease.returned",
+               "cache.chunk", "cache.release", "cache.census.sched", "cache.drop",
+               "spill.")  # fmt: skip
+
+
+def _sched_factory(cfg, **changes):
+    import msgspec
+
+    from shunter.actors.scheduler.config import SchedulerConfig
+    from shunter.actors.scheduler.core import SchedulerCore
+
+    config = msgspec.json.decode(cfg.config_json, type=SchedulerConfig)
+    return SchedulerCore(msgspec.structs.replace(config, **changes))
+
+
+def _cache_factory(cfg):
+    from shunter.actors.cache_manager.config import CacheConfig
+    from shunter.actors.cache_manager.core import CacheManagerCore
+
+    return CacheManagerCore(CacheConfig.from_info(cfg.info))
+
+
+async def serve_core(bus: Bus, core, inbox, config_msg, task_status=anyio.TASK_STATUS_IGNORED):
+    """A minimal shell keeping the replay contract."""
+    async with bus.subscribe(*inbox) as sub:
+        if config_msg is not None:
+            await bus.publish(config_msg)
+        task_status.started()
+        async for received in sub:
+            for out in core.handle(received.msg):
+                await bus.publish(out)
+
+
+async def record_cluster(directory: pathlib.Path) -> None:
+    import msgspec
+
+    from shunter.actors.cache_manager.config import CacheConfig
+    from shunter.actors.cache_manager.core import CacheManagerCore
+    from shunter.actors.scheduler.config import SchedulerConfig
+    from shunter.actors.scheduler.core import SchedulerCore
+    from shunter.actors.scheduler.sim import SimExecutor, mix64
+    from shunter.bus.messages import (
+        AbortRequest,
+        ForwardBatch,
+        SamplingParams,
+        SchedulerConfigured,
+        Tokenized,
+    )
+
+    num_pages = 192
+    sched_cfg = SchedulerConfig(max_running_requests=6, max_prefill_tokens=48,
+                                chunked_prefill_size=24, num_total_pages=num_pages)  # fmt: skip
+    cache_cfg = CacheConfig(num_pages=num_pages, page_size=1)
+    exe = SimExecutor(1, num_pages, lambda rid, pos: mix64(pos) % 1000 + 10)
+
+    class ExecutorCore:
+        def handle(self, msg):
+            return [exe.handle(msg)] if isinstance(msg, ForwardBatch) else []
+
+    hub = InProcHub()
+    system = [1, 2, 3, 4, 5, 6, 7, 8] * 4  # a shared prefix the tree should serve
+    reqs = [
+        Tokenized(
+            f"r{i}", system + [100 + i] * (3 + i % 5), SamplingParams(max_new_tokens=4 + i % 6)
+        )
+        for i in range(12)
+    ]
+    async with anyio.create_task_group() as tg:
+        await tg.start(record, hub.connect("recorder"), directory)
+        sched_msg = SchedulerConfigured("scheduler", msgspec.json.encode(sched_cfg).decode())
+        await tg.start(
+            serve_core, hub.connect("scheduler"), SchedulerCore(sched_cfg), SCHED_INBOX, sched_msg
+        )
+        ready = Ready(actor="cache", actor_id="cache", info=cache_cfg.to_info())
+        await tg.start(
+            serve_core, hub.connect("cache"), CacheManagerCore(cache_cfg), CACHE_INBOX, ready
+        )
+        await tg.start(
+            serve_core, hub.connect("executor.0"), ExecutorCore(), ("sched.batch",), None
+        )
+        gateway = hub.connect("gateway")
+        async with gateway.subscribe("sched.tokens", "req.failed") as outs:
+            for t in reqs:
+                await gateway.publish(t)
+            await gateway.publish(AbortRequest("r11"))
+            done: set[str] = set()
+            with anyio.fail_after(20):
+                while len(done) < len(reqs):
+                    got = (await outs.receive()).msg
+                    items = got.outputs if isinstance(got, TokensOut) else [got]
+                    done |= {o.request_id for o in items if getattr(o, "finish_reason", "x")}
+        await anyio.sleep(0.05)
+        tg.cancel_scope.cancel()
+
+
+@pytest.fixture
+async def cluster_log(tmp_path) -> pathlib.Path:
+    await record_cluster(tmp_path / "log")
+    return tmp_path / "log"
+
+
+@pytest.mark.anyio
+async def test_real_scheduler_and_cache_cores_replay_identically(cluster_log):
+    sched = CoreSpec("scheduler", _sched_factory, SCHED_INBOX, "scheduler", ("sched.config",))
+    cache = CoreSpec("cache", _cache_factory, CACHE_INBOX, "cache", ("health.ready",))
+    for spec in (sched, cache):
+        result = replay(cluster_log, spec)
+        assert result.identical, result.report()
+        assert result.num_inbox > 20 and result.num_outbox > 20, result.report()
+    # the same inbox under another chunk size plans other batches: caught
+    other = CoreSpec("scheduler", lambda c: _sched_factory(c, chunked_prefill_size=16),
+                     SCHED_INBOX, "scheduler", ("sched.config",))  # fmt: skip
+    d = replay(cluster_log, other).divergence
+    assert d is not None and d.expected is not None and d.got is not None

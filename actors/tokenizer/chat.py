@@ -1,15 +1,24 @@
-"""Chat templates: the model's own (tokenizer_config.json or GGUF metadata
-`tokenizer.chat_template`) or an override given as a file path or as template text.
+"""Chat templates: the model's own (tokenizer_config.json, chat_template.jinja or GGUF
+metadata `tokenizer.chat_template`) or an override given as a file path or as template
+text.
 
-Rendering is Jinja through the HF tokenizer's `apply_chat_template` (its sandbox and its
-helpers such as `raise_exception`), so a model's template behaves as it does in HF.
+Rendering follows HF transformers' conventions (a sandboxed Jinja environment with
+trim_blocks and lstrip_blocks, `raise_exception`, a `tojson` filter that keeps non-ASCII
+text, the special tokens as variables), so a model's template renders as it does there.
+`strftime_now` is deliberately not provided: rendering must not read the clock (replay
+determinism), and templates that use it fall back to their own default date.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import pathlib
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
 
 from shunter.bus.messages import ChatMessage
 
@@ -37,12 +46,34 @@ def resolve_chat_template(override: str | None, model_template: str | None) -> s
     )
 
 
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=8)
+def compile_template(template: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"the chat template does not parse: {e}") from None
+
+
 def render_chat(
-    hf_tokenizer: Any,
     template: str | None,
     messages: Sequence[ChatMessage],
     *,
     add_generation_prompt: bool,
+    special_tokens: Mapping[str, str] = {},
 ) -> str:
     """Apply `template` to the conversation and return the prompt text. Raises
     ChatTemplateError when there is no template or the template refuses the input."""
@@ -52,14 +83,11 @@ def render_chat(
         )
     conversation = [{"role": m.role, "content": m.content} for m in messages]
     try:
-        text = hf_tokenizer.apply_chat_template(
-            conversation,
-            chat_template=template,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-        )
+        return compile_template(template).render(
+            messages=conversation, add_generation_prompt=add_generation_prompt, tools=None,
+            documents=None, **special_tokens,
+        )  # fmt: skip
+    except ChatTemplateError:
+        raise
     except Exception as e:  # jinja raises many types; every one is the request's fault
         raise ChatTemplateError(f"chat template failed: {e}") from e
-    if not isinstance(text, str):
-        raise ChatTemplateError(f"chat template produced {type(text).__name__}, not text")
-    return text

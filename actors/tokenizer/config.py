@@ -21,6 +21,10 @@ class TokenizerConfig(msgspec.Struct, frozen=True, kw_only=True):
     context_len: int | None = None
     """Longest sequence (prompt + output) in tokens; None reads it from the model."""
 
+    cache_dir: str | None = None
+    """Where converted tokenizers (from GGUF metadata) are kept between starts; None is
+    ~/.cache/shunter/tokenizers."""
+
     actor_id: str = "tokenizer"
     """Instance name on the bus (Ready.actor_id, Envelope.publisher_id)."""
 

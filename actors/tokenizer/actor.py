@@ -1,0 +1,77 @@
+"""The tokenizer actor's async shell.
+
+Entry point for `shunter serve`:
+
+    async def run(config: TokenizerConfig, bus: Bus, *, codec: TextCodec | None = None) -> None
+
+Loads the tokenizer in a worker thread (seconds; `codec` skips that when the caller
+already holds one), subscribes to its inbox (GenerateRequest, TokensOut, AbortRequest,
+RequestFailed, ActorDied, TokenizeQuery, DetokenizeQuery), publishes `Ready(actor=
+"tokenizer", info={context_len, vocab_size})`, then feeds every message to
+`TokenizerCore.handle` and publishes what it returns, in order. Runs until cancelled.
+
+A failure inside the core while handling one request is that request's failure
+(`RequestFailed(code="internal", http_status=500)`), logged with its traceback; the
+actor keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import anyio
+import structlog
+
+from shunter.actors.tokenizer.config import TokenizerConfig
+from shunter.actors.tokenizer.core import INBOX_TYPES, TokenizerCore
+from shunter.actors.tokenizer.loading import TextCodec, load_codec
+from shunter.bus.messages import (
+    DetokenizeQuery,
+    DetokenizeReply,
+    GenerateRequest,
+    Msg,
+    Ready,
+    RequestFailed,
+    TokenizeQuery,
+    TokenizeReply,
+    TokensOut,
+)
+from shunter.bus.transport import Bus
+
+log = structlog.get_logger(actor="tokenizer")
+
+
+def _failure_replies(msg: Msg, error: Exception) -> list[Msg]:
+    """What the requester gets when the core raised on its message."""
+    reason = f"tokenizer error: {type(error).__name__}: {error}"
+    match msg:
+        case GenerateRequest():
+            return [RequestFailed(msg.request_id, "internal", reason, 500)]
+        case TokenizeQuery():
+            return [TokenizeReply(msg.query_id, error=reason)]
+        case DetokenizeQuery():
+            return [DetokenizeReply(msg.query_id, error=reason)]
+        case TokensOut():
+            return [RequestFailed(o.request_id, "internal", reason, 500) for o in msg.outputs]
+    return []
+
+
+async def run(config: TokenizerConfig, bus: Bus, *, codec: TextCodec | None = None) -> None:
+    if codec is None:
+        codec = await anyio.to_thread.run_sync(load_codec, config)
+    core = TokenizerCore(codec, config)
+    async with bus.subscribe(types=INBOX_TYPES) as sub:
+        await bus.publish(
+            Ready(
+                "tokenizer",
+                config.actor_id,
+                {"context_len": core.context_len, "vocab_size": codec.vocab_size},
+            )
+        )
+        log.info("tokenizer ready", actor_id=config.actor_id)
+        async for received in sub:
+            try:
+                outs = core.handle(received.msg)
+            except Exception as e:
+                log.exception("tokenizer core failed", topic=received.topic)
+                outs = _failure_replies(received.msg, e)
+            for out in outs:
+                await bus.publish(out)

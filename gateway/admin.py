@@ -1,0 +1,143 @@
+"""Health, info, metrics and admin endpoints.
+
+- /health: 200 when a HealthPing round-trips through the scheduler's loop within
+  health_timeout_s; 503 when it does not, or an actor died, or the server is draining.
+- /health_generate: 200 when a one-token generation (input_ids [0]) finishes in time.
+- /get_model_info, /get_server_info: what is served, with what settings and load.
+- /metrics: Prometheus text (only with enable_metrics; 404 otherwise).
+- /flush_cache (admin): drops the prefix cache through the cache manager. Like SGLang,
+  refused (400) while requests are in flight: their prefixes are locked.
+- /abort_request (admin): `{"rid": id}` or `{"abort_all": true}`; the affected requests
+  end with finish_reason "abort".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+
+import msgspec
+from aiohttp import web
+
+from shunter.bus.messages import GenerateRequest, SamplingParams
+from shunter.gateway.app import ctx_of, generation, json_response, read_body
+from shunter.gateway.engine import new_id
+from shunter.gateway.errors import APIError, bad_request
+from shunter.gateway.validation import decode_body
+
+routes = web.RouteTableDef()
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("shunter")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _unhealthy(message: str) -> web.Response:
+    return APIError(503, message, code="unhealthy").response()
+
+
+@routes.route("*", "/health")
+async def health(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    try:
+        ctx.engine.check_available()
+    except APIError as e:
+        return e.response()
+    if not await ctx.engine.ping():
+        return _unhealthy(f"the scheduler did not answer within {ctx.config.health_timeout_s} s")
+    return web.Response(status=200, text="")
+
+
+@routes.route("*", "/health_generate")
+async def health_generate(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    try:
+        ctx.engine.check_available()
+    except APIError as e:
+        return e.response()
+    req = GenerateRequest(
+        new_id("health-"), SamplingParams(max_new_tokens=1, temperature=0.0, seed=0), input_ids=[0]
+    )
+    try:
+        async with asyncio.timeout(ctx.config.health_timeout_s):
+            async with generation(ctx, [req]) as group:
+                async for _ in group:
+                    pass
+    except TimeoutError:
+        return _unhealthy(f"no generation within {ctx.config.health_timeout_s} s")
+    except APIError as e:
+        return _unhealthy(f"generation failed: {e.message}")
+    return web.Response(status=200, text="")
+
+
+@routes.get("/get_model_info")
+async def get_model_info(request: web.Request) -> web.Response:
+    cfg = ctx_of(request).config
+    return json_response({
+        "model_path": cfg.model_path, "tokenizer_path": cfg.tokenizer_path or cfg.model_path,
+        "served_model_name": cfg.served_model_name, "is_generation": True,
+        "max_context_len": cfg.max_context_len, "weight_version": "default",
+    })  # fmt: skip
+
+
+@routes.get("/get_server_info")
+async def get_server_info(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    cfg = ctx.config
+    stats = ctx.engine.stats
+    return json_response({
+        **cfg.server_info,
+        "served_model_name": cfg.served_model_name, "model_path": cfg.model_path,
+        "max_context_len": cfg.max_context_len, "version": _version(),
+        "num_in_flight_requests": len(ctx.engine.streams),
+        "dead_actors": dict(ctx.engine.dead),
+        "internal_states": [msgspec.structs.asdict(stats) if stats else {}],
+    })  # fmt: skip
+
+
+@routes.get("/metrics")
+async def metrics(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    if not ctx.config.enable_metrics:
+        raise APIError(404, "metrics are off; start the server with --enable-metrics")
+    return web.Response(
+        text=ctx.metrics.render(), content_type="text/plain", charset="utf-8",
+        headers={"X-Prometheus-Format": "0.0.4"},
+    )  # fmt: skip
+
+
+@routes.post("/flush_cache")
+async def flush_cache(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    ctx.engine.check_available()
+    num = len(ctx.engine.streams)
+    if num:
+        raise bad_request(f"Cache not flushed: {num} request(s) in flight; retry when idle")
+    result = await ctx.engine.flush_cache()
+    if not result.ok:
+        raise bad_request(f"Cache not flushed: {result.reason}")
+    return web.Response(
+        text=f"Cache flushed ({result.num_pages_reclaimed} pages reclaimed).\n", status=200
+    )
+
+
+class AbortBody(msgspec.Struct, kw_only=True):
+    rid: str = ""
+    abort_all: bool = False
+
+
+@routes.post("/abort_request")
+async def abort_request(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    body = decode_body(await read_body(request), AbortBody)
+    if body.abort_all:
+        rids = sorted({s.request_id for s in ctx.engine.streams.values()})
+    elif body.rid:
+        rids = [body.rid]
+    else:
+        raise bad_request("give rid or abort_all", param="rid")
+    found = [rid for rid in rids if await ctx.engine.abort_id(rid, "admin")]
+    return json_response({"success": True, "num_aborted": len(found), "aborted": found})

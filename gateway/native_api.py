@@ -1,0 +1,213 @@
+"""SGLang's native /generate.
+
+Input: `text` (a string or a batch of strings) or `input_ids` (a list of ids or a batch
+of lists), `sampling_params` (one dict for all, or one per input), `stream`,
+`return_logprob`, `logprob_start_len`, `top_logprobs_num`, `rid` (one, or one per
+input), `priority`. `sampling_params.n` > 1 expands an input into n requests.
+
+Output per request: `{"text", "output_ids", "meta_info": {"id", "finish_reason",
+"prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency", ...logprobs}}`;
+a batch (or n > 1) answers a list. `finish_reason` is None while running, then
+`{"type": "stop", "matched": str | int}`, `{"type": "length", "length": n}` or
+`{"type": "abort"}`. Logprob entries are `[logprob, token_id, text]`.
+
+Streaming sends `data: {...}\\n\\n` per delta with *cumulative* text and output_ids (as
+SGLang does by default), plus "index" in a batch, then `data: [DONE]\\n\\n`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+from aiohttp import web
+
+from shunter.bus.messages import GenerateRequest, TextDelta
+from shunter.gateway.app import (
+    ctx_of,
+    generation,
+    json_response,
+    open_sse,
+    read_body,
+    sse_done,
+    sse_send,
+)
+from shunter.gateway.engine import draw_seed, new_id
+from shunter.gateway.errors import APIError, bad_request
+from shunter.gateway.openai_api import Acc
+from shunter.gateway.validation import (
+    GenerateBody,
+    NativeSamplingParams,
+    check_max_tokens,
+    check_n,
+    decode_body,
+    sampling_from,
+)
+
+routes = web.RouteTableDef()
+
+
+def _inputs(body: GenerateBody) -> tuple[list[str | list[int]], bool]:
+    """(one entry per input, whether the request is a batch)."""
+    if (body.text is None) == (body.input_ids is None):
+        raise bad_request("give exactly one of text or input_ids", param="text")
+    if body.text is not None:
+        if isinstance(body.text, str):
+            return [body.text], False
+        if not body.text:
+            raise bad_request("text must not be an empty list", param="text")
+        return list(body.text), True
+    ids = body.input_ids
+    assert ids is not None
+    if not ids:
+        raise bad_request("input_ids must not be empty", param="input_ids")
+
+    def is_id(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+    if all(is_id(x) for x in ids):
+        return [list(ids)], False
+    if all(isinstance(x, list) and x and all(is_id(i) for i in x) for x in ids):
+        return [list(x) for x in ids], True
+    raise bad_request(
+        "input_ids must be a non-empty list of token ids (>= 0) or a list of such lists",
+        param="input_ids",
+    )
+
+
+def finish_reason_of(d: TextDelta | None) -> dict | None:
+    if d is None or d.finish_reason is None:
+        return None
+    if d.finish_reason == "length":
+        return {"type": "length", "length": d.num_completion_tokens}
+    if d.finish_reason == "stop":
+        return {"type": "stop", "matched": d.matched_stop}
+    return {"type": d.finish_reason}
+
+
+def _meta(rid: str, a: Acc, start_s: float, body: GenerateBody, start_len: int) -> dict:
+    d = a.last
+    meta = {
+        "id": rid,
+        "finish_reason": finish_reason_of(d),
+        "prompt_tokens": d.num_prompt_tokens if d else 0,
+        "completion_tokens": d.num_completion_tokens if d else 0,
+        "cached_tokens": d.num_cached_tokens if d else 0,
+        "e2e_latency": time.monotonic() - start_s,
+    }
+    if body.return_logprob:
+        texts = a.token_texts if body.return_text_in_logprobs else [None] * len(a.token_ids)
+        meta["output_token_logprobs"] = [
+            [lp, tid, t] for lp, tid, t in zip(a.logprobs, a.token_ids, texts)
+        ]
+        meta["output_top_logprobs"] = [
+            [[x.logprob, x.token_id, x.text if body.return_text_in_logprobs else None] for x in row]
+            for row in a.top_logprobs
+        ]
+        if start_len >= 0 and a.prompt_ids:
+            ids = a.prompt_ids[start_len:]
+            lps: list = list(a.prompt_logprobs)
+            lps = [None] * max(0, len(ids) - len(lps)) + lps[-len(ids) :] if ids else []
+            texts_in = a.prompt_texts[start_len:]
+            meta["input_token_logprobs"] = [[lp, tid, t] for lp, tid, t in zip(lps, ids, texts_in)]
+    return meta
+
+
+class NativeAcc(Acc):
+    def __init__(self) -> None:
+        super().__init__()
+        self.prompt_ids: list[int] = []
+        self.prompt_texts: list[str] = []
+        self.prompt_logprobs: list[float] = []
+
+    def add(self, d: TextDelta) -> None:
+        super().add(d)
+        if d.prompt_token_ids:
+            self.prompt_ids, self.prompt_texts = d.prompt_token_ids, d.prompt_token_texts
+        if d.prompt_logprobs:
+            self.prompt_logprobs = d.prompt_logprobs
+
+
+@routes.post("/generate")
+async def generate(request: web.Request) -> web.StreamResponse:
+    ctx = ctx_of(request)
+    body = decode_body(await read_body(request), GenerateBody)
+    inputs, batch = _inputs(body)
+    if len(inputs) > ctx.limits.max_prompts:
+        raise bad_request(f"at most {ctx.limits.max_prompts} inputs per request", param="text")
+    sps = body.sampling_params
+    if isinstance(sps, list):
+        if len(sps) != len(inputs):
+            raise bad_request(
+                f"sampling_params has {len(sps)} entries for {len(inputs)} inputs",
+                param="sampling_params",
+            )
+    else:
+        sps = [sps or NativeSamplingParams()] * len(inputs)
+    rids = body.rid
+    if isinstance(rids, list):
+        if len(rids) != len(inputs) or not all(rids):
+            raise bad_request("rid needs one non-empty id per input", param="rid")
+    else:
+        if rids is not None and (batch or not rids):
+            raise bad_request("rid must be one non-empty id per input", param="rid")
+        rids = [rids or new_id()] if not batch else [new_id() for _ in inputs]
+    if body.top_logprobs_num < 0 or body.top_logprobs_num > ctx.limits.max_top_logprobs:
+        raise bad_request(
+            f"top_logprobs_num must be in [0, {ctx.limits.max_top_logprobs}]",
+            param="top_logprobs_num",
+        )
+    if body.logprob_start_len < -1:
+        raise bad_request("logprob_start_len must be >= -1", param="logprob_start_len")
+    want_lp = body.return_logprob or body.top_logprobs_num > 0
+    gens: list[GenerateRequest] = []
+    now_ns = time.monotonic_ns()
+    for inp, sp, rid in zip(inputs, sps, rids):
+        check_n(sp.n, ctx.limits)
+        check_max_tokens(sp.max_new_tokens, ctx.limits, "max_new_tokens", minimum=0)
+        sampling = sampling_from(
+            sp, max_new_tokens=sp.max_new_tokens, return_logprob=want_lp,
+            top_logprobs_num=body.top_logprobs_num,
+        )  # fmt: skip
+        seed = sp.sampling_seed if sp.sampling_seed is not None else sp.seed
+        sampling = msgspec.structs.replace(
+            sampling, logprob_start_len=body.logprob_start_len if want_lp else -1
+        )
+        for i in range(sp.n):
+            s = msgspec.structs.replace(sampling, seed=draw_seed() if seed is None else seed + i)
+            gens.append(GenerateRequest(
+                rid if sp.n == 1 else f"{rid}-{i}", s,
+                text=inp if isinstance(inp, str) else None,
+                input_ids=inp if isinstance(inp, list) else None,
+                stream=body.stream, priority=body.priority or 0, arrival_ns=now_ns,
+            ))  # fmt: skip
+    many = batch or len(gens) > 1
+    ctx.engine.check_available()
+    start_s = time.monotonic()
+    start_len = body.logprob_start_len
+    accs = [NativeAcc() for _ in gens]
+
+    def item(k: int) -> dict:
+        a = accs[k]
+        out = {"text": "".join(a.text), "output_ids": list(a.token_ids),
+               "meta_info": _meta(gens[k].request_id, a, start_s, body, start_len)}  # fmt: skip
+        if many and body.stream:
+            out["index"] = k
+        return out
+
+    if not body.stream:
+        async with generation(ctx, gens) as group:
+            async for k, d in group:
+                accs[k].add(d)
+        items = [item(k) for k in range(len(gens))]
+        return json_response(items if many else items[0])
+    resp = await open_sse(request)
+    try:
+        async with generation(ctx, gens) as group:
+            async for k, d in group:
+                accs[k].add(d)
+                await sse_send(resp, item(k))
+    except APIError as e:
+        await sse_send(resp, e.body())
+    await sse_done(resp)
+    return resp

@@ -1,0 +1,414 @@
+"""OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models,
+/v1/tokenize, /v1/detokenize.
+
+`n` and prompt lists expand into one engine request per choice, with ids `<id>-<k>`
+(k = prompt_index * n + choice); choice k gets seed `seed + k` when a seed is given, a
+fresh one otherwise. Streams are SSE `data: {json}\\n\\n` chunks ending in
+`data: [DONE]\\n\\n`; an error after the stream has started arrives as
+`data: {"error": {...}}` before [DONE]. Usage counts each prompt once and reports
+`prompt_tokens_details.cached_tokens`.
+
+Tokenize/detokenize go to the tokenizer actor over the bus (request/reply), so the
+gateway holds no tokenizer of its own and stays free of model files.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+from aiohttp import web
+
+from shunter.bus.messages import (
+    ChatMessage,
+    DetokenizeQuery,
+    GenerateRequest,
+    SamplingParams,
+    TextDelta,
+    TokenizeQuery,
+)
+from shunter.gateway.app import (
+    Ctx,
+    ctx_of,
+    generation,
+    json_response,
+    open_sse,
+    read_body,
+    sse_done,
+    sse_send,
+)
+from shunter.gateway.engine import draw_seed, new_id
+from shunter.gateway.errors import APIError, bad_request
+from shunter.gateway.validation import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_messages,
+    check_max_tokens,
+    check_model,
+    check_n,
+    completion_prompts,
+    decode_body,
+    sampling_from,
+)
+
+routes = web.RouteTableDef()
+
+
+class Acc:
+    """Everything one choice produced so far."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.token_texts: list[str] = []
+        self.top_logprobs: list[list] = []
+        self.last: TextDelta | None = None
+
+    def add(self, d: TextDelta) -> None:
+        self.text.append(d.text)
+        self.token_ids += d.token_ids
+        self.logprobs += d.logprobs
+        self.token_texts += d.token_texts
+        self.top_logprobs += d.top_logprobs
+        self.last = d
+
+
+def usage(accs: list[Acc], n: int) -> dict:
+    """OpenAI usage: each prompt's tokens once (choice 0 of each prompt)."""
+    prompt = sum(a.last.num_prompt_tokens for k, a in enumerate(accs) if a.last and k % n == 0)
+    cached = sum(a.last.num_cached_tokens for k, a in enumerate(accs) if a.last and k % n == 0)
+    completion = sum(a.last.num_completion_tokens for a in accs if a.last)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _seeded(sampling: SamplingParams, k: int) -> SamplingParams:
+    seed = draw_seed() if sampling.seed is None else sampling.seed + k
+    return msgspec.structs.replace(sampling, seed=seed)
+
+
+def _expand(base_id: str, num: int) -> list[str]:
+    return [base_id] if num == 1 else [f"{base_id}-{k}" for k in range(num)]
+
+
+def completion_logprobs(
+    tokens: list[str], lps: list[float], tops: list[list], offset0: int
+) -> dict:
+    offsets, pos = [], offset0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": lps,
+        "top_logprobs": [{t.text: t.logprob for t in row} for row in tops] if tops else None,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tokens: list[str], lps: list[float], tops: list[list], num_top: int) -> dict:
+    content = []
+    for i, (t, lp) in enumerate(zip(tokens, lps)):
+        row = tops[i] if i < len(tops) else []
+        content.append({
+            "token": t, "logprob": lp, "bytes": list(t.encode("utf-8")),
+            "top_logprobs": [
+                {"token": x.text, "logprob": x.logprob, "bytes": list(x.text.encode("utf-8"))}
+                for x in row[:num_top]
+            ],
+        })  # fmt: skip
+    return {"content": content}
+
+
+async def _error_event(resp: web.StreamResponse, e: APIError) -> None:
+    await sse_send(resp, e.body())
+    await sse_done(resp)
+
+
+# -- /v1/completions ------------------------------------------------------------------------
+
+
+@routes.post("/v1/completions")
+async def completions(request: web.Request) -> web.StreamResponse:
+    ctx = ctx_of(request)
+    req = decode_body(await read_body(request), CompletionRequest)
+    check_model(req.model, ctx.config.served_model_name)
+    check_n(req.n, ctx.limits)
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of other than n is not supported", param="best_of")
+    if req.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    prompts = completion_prompts(req.prompt, ctx.limits)
+    check_max_tokens(req.max_tokens, ctx.limits, "max_tokens", minimum=0 if req.echo else 1)
+    lp = req.logprobs
+    if lp is not None and not 0 <= lp <= ctx.limits.max_top_logprobs:
+        raise bad_request(
+            f"logprobs must be in [0, {ctx.limits.max_top_logprobs}]", param="logprobs"
+        )
+    clamp = req.max_tokens is None
+    max_new = ctx.config.max_context_len if clamp else req.max_tokens
+    sampling = sampling_from(
+        req, max_new_tokens=max_new, return_logprob=lp is not None, top_logprobs_num=lp or 0
+    )
+    ctx.engine.check_available()
+    echo_texts: list[str] = []
+    if req.echo:
+        for p in prompts:
+            if isinstance(p, str):
+                echo_texts.append(p)
+            else:
+                reply = await ctx.engine.detokenize(DetokenizeQuery(new_id("q-"), p))
+                echo_texts.append(reply.text)
+    base_id = req.rid or new_id("cmpl-")
+    num = len(prompts) * req.n
+    now_ns = time.monotonic_ns()
+    gens = [
+        GenerateRequest(
+            rid, _seeded(sampling, k),
+            text=p if isinstance(p, str) else None,
+            input_ids=p if isinstance(p, list) else None,
+            stream=req.stream, priority=req.priority, arrival_ns=now_ns,
+            clamp_max_new_tokens=clamp,
+        )
+        for k, rid in enumerate(_expand(base_id, num))
+        for p in [prompts[k // req.n]]
+    ]  # fmt: skip
+    head = {"id": base_id, "object": "text_completion", "created": int(time.time()),
+            "model": ctx.config.served_model_name}  # fmt: skip
+    echo_of = (lambda k: echo_texts[k // req.n]) if req.echo else (lambda k: "")
+    if req.stream:
+        return await _stream_completions(request, ctx, req, gens, head, echo_of, lp)
+    accs = [Acc() for _ in gens]
+    async with generation(ctx, gens) as group:
+        async for k, d in group:
+            accs[k].add(d)
+    choices = []
+    for k, a in enumerate(accs):
+        echo = echo_of(k)
+        logprobs = None
+        if lp is not None:
+            logprobs = completion_logprobs(a.token_texts, a.logprobs, a.top_logprobs, len(echo))
+        choices.append({
+            "index": k, "text": echo + "".join(a.text), "logprobs": logprobs,
+            "finish_reason": a.last.finish_reason if a.last else None,
+            "matched_stop": a.last.matched_stop if a.last else None,
+        })  # fmt: skip
+    return json_response({**head, "choices": choices, "usage": usage(accs, req.n)})
+
+
+async def _stream_completions(
+    request, ctx: Ctx, req, gens, head, echo_of, lp
+) -> web.StreamResponse:
+    accs = [Acc() for _ in gens]
+    sent_echo = [False] * len(gens)
+    resp = await open_sse(request)
+    try:
+        async with generation(ctx, gens) as group:
+            async for k, d in group:
+                accs[k].add(d)
+                text = d.text
+                if not sent_echo[k]:
+                    text, sent_echo[k] = echo_of(k) + text, True
+                logprobs = None
+                if lp is not None:
+                    logprobs = completion_logprobs(d.token_texts, d.logprobs, d.top_logprobs, 0)
+                choice = {"index": k, "text": text, "logprobs": logprobs,
+                          "finish_reason": d.finish_reason, "matched_stop": d.matched_stop}  # fmt: skip
+                await sse_send(resp, {**head, "choices": [choice], "usage": None})
+    except APIError as e:
+        await _error_event(resp, e)
+        return resp
+    if req.stream_options and req.stream_options.include_usage:
+        await sse_send(resp, {**head, "choices": [], "usage": usage(accs, req.n)})
+    await sse_done(resp)
+    return resp
+
+
+# -- /v1/chat/completions -------------------------------------------------------------------
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    ctx = ctx_of(request)
+    req = decode_body(await read_body(request), ChatCompletionRequest)
+    check_model(req.model, ctx.config.served_model_name)
+    check_n(req.n, ctx.limits)
+    messages: list[ChatMessage] = chat_messages(req.messages)
+    if req.tools:
+        raise bad_request("tools are not supported by this server", param="tools")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise bad_request(
+            f"response_format {req.response_format.type!r} is not supported (only 'text')",
+            param="response_format",
+        )
+    max_tokens = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    )
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    check_max_tokens(max_tokens, ctx.limits, param)
+    num_top = req.top_logprobs or 0
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
+        if not 0 <= num_top <= ctx.limits.max_top_logprobs:
+            raise bad_request(f"top_logprobs must be in [0, {ctx.limits.max_top_logprobs}]",
+                              param="top_logprobs")  # fmt: skip
+    clamp = max_tokens is None
+    sampling = sampling_from(
+        req,
+        max_new_tokens=ctx.config.max_context_len if clamp else max_tokens,
+        return_logprob=req.logprobs,
+        top_logprobs_num=num_top,
+    )
+    ctx.engine.check_available()
+    base_id = req.rid or new_id("chatcmpl-")
+    now_ns = time.monotonic_ns()
+    gens = [
+        GenerateRequest(
+            rid, _seeded(sampling, k), messages=messages, stream=req.stream,
+            priority=req.priority, arrival_ns=now_ns, clamp_max_new_tokens=clamp,
+            add_generation_prompt=req.add_generation_prompt,
+        )
+        for k, rid in enumerate(_expand(base_id, req.n))
+    ]  # fmt: skip
+    created = int(time.time())
+    model = ctx.config.served_model_name
+    if req.stream:
+        head = {
+            "id": base_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+        }
+        return await _stream_chat(request, ctx, req, gens, head, num_top)
+    accs = [Acc() for _ in gens]
+    async with generation(ctx, gens) as group:
+        async for k, d in group:
+            accs[k].add(d)
+    choices = []
+    for k, a in enumerate(accs):
+        logprobs = None
+        if req.logprobs:
+            logprobs = chat_logprobs(a.token_texts, a.logprobs, a.top_logprobs, num_top)
+        choices.append({
+            "index": k, "message": {"role": "assistant", "content": "".join(a.text)},
+            "logprobs": logprobs, "finish_reason": a.last.finish_reason if a.last else None,
+            "matched_stop": a.last.matched_stop if a.last else None,
+        })  # fmt: skip
+    return json_response({
+        "id": base_id, "object": "chat.completion", "created": created, "model": model,
+        "choices": choices, "usage": usage(accs, req.n),
+    })  # fmt: skip
+
+
+async def _stream_chat(request, ctx: Ctx, req, gens, head, num_top) -> web.StreamResponse:
+    accs = [Acc() for _ in gens]
+    resp = await open_sse(request)
+    try:
+        async with generation(ctx, gens) as group:
+            for k in range(len(gens)):
+                choice = {"index": k, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None}  # fmt: skip
+                await sse_send(resp, {**head, "choices": [choice], "usage": None})
+            async for k, d in group:
+                accs[k].add(d)
+                if d.text or d.logprobs:
+                    logprobs = None
+                    if req.logprobs:
+                        logprobs = chat_logprobs(d.token_texts, d.logprobs, d.top_logprobs, num_top)
+                    choice = {"index": k, "delta": {"content": d.text}, "logprobs": logprobs,
+                              "finish_reason": None}  # fmt: skip
+                    await sse_send(resp, {**head, "choices": [choice], "usage": None})
+                if d.finish_reason is not None:
+                    choice = {"index": k, "delta": {}, "logprobs": None,
+                              "finish_reason": d.finish_reason, "matched_stop": d.matched_stop}  # fmt: skip
+                    await sse_send(resp, {**head, "choices": [choice], "usage": None})
+    except APIError as e:
+        await _error_event(resp, e)
+        return resp
+    if req.stream_options and req.stream_options.include_usage:
+        await sse_send(resp, {**head, "choices": [], "usage": usage(accs, req.n)})
+    await sse_done(resp)
+    return resp
+
+
+# -- models, tokenize, detokenize -----------------------------------------------------------
+
+
+def _model_card(ctx: Ctx) -> dict:
+    return {
+        "id": ctx.config.served_model_name, "object": "model",
+        "created": int(ctx.started_wall_s), "owned_by": "shunter",
+        "root": ctx.config.model_path or ctx.config.served_model_name,
+        "max_model_len": ctx.config.max_context_len,
+    }  # fmt: skip
+
+
+@routes.get("/v1/models")
+async def list_models(request: web.Request) -> web.Response:
+    return json_response({"object": "list", "data": [_model_card(ctx_of(request))]})
+
+
+@routes.get("/v1/models/{model_id:.+}")
+async def get_model(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    check_model(request.match_info["model_id"], ctx.config.served_model_name)
+    return json_response(_model_card(ctx))
+
+
+class TokenizeBody(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    text: str | None = None
+    messages: list = []
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeBody(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+    skip_special_tokens: bool = False
+
+
+@routes.post("/v1/tokenize")
+async def tokenize(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    body = decode_body(await read_body(request), TokenizeBody)
+    check_model(body.model, ctx.config.served_model_name)
+    text = body.prompt if body.prompt is not None else body.text
+    if (text is None) == (not body.messages):
+        raise bad_request("give exactly one of prompt or messages", param="prompt")
+    messages = None
+    if body.messages:
+        from shunter.gateway.validation import ChatMessageIn
+
+        try:
+            parsed = msgspec.convert(body.messages, list[ChatMessageIn])
+        except msgspec.ValidationError as e:
+            raise bad_request(f"invalid messages: {e}", param="messages") from None
+        messages = chat_messages(parsed)
+    reply = await ctx.engine.tokenize(
+        TokenizeQuery(
+            new_id("q-"), text, messages, body.add_special_tokens, body.add_generation_prompt
+        )
+    )
+    return json_response(
+        {"tokens": reply.tokens, "count": len(reply.tokens), "max_model_len": reply.max_model_len}
+    )
+
+
+@routes.post("/v1/detokenize")
+async def detokenize(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    body = decode_body(await read_body(request), DetokenizeBody)
+    check_model(body.model, ctx.config.served_model_name)
+    reply = await ctx.engine.detokenize(
+        DetokenizeQuery(new_id("q-"), body.tokens, body.skip_special_tokens)
+    )
+    return json_response({"text": reply.text})

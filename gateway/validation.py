@@ -1,0 +1,327 @@
+"""Request bodies: msgspec schemas and the checks that turn bad input into clear 400s.
+
+Decoding is strict about types (a string where a number belongs is an error that names
+the field) and lenient about unknown fields, which are ignored as the OpenAI API does.
+Ranges are checked after decoding; each failure names its parameter (`param`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, TypeVar
+
+import msgspec
+
+from shunter.bus.messages import ChatMessage, SamplingParams
+from shunter.gateway.errors import APIError, bad_request
+
+T = TypeVar("T")
+_PATH = re.compile(r"at `\$\.?([^`]*)`")
+
+
+def decode_body(body: bytes, schema: type[T]) -> T:
+    """JSON body -> schema instance, or APIError(400) naming what is wrong."""
+    if not body.strip():
+        raise bad_request("the request body is empty; send a JSON object")
+    try:
+        return msgspec.json.decode(body, type=schema)
+    except msgspec.ValidationError as e:
+        m = _PATH.search(str(e))
+        param = m.group(1) if m and m.group(1) else None
+        raise bad_request(f"invalid request: {e}", param=param) from None
+    except msgspec.DecodeError as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names plus the
+    SGLang/vLLM extensions that clients pass through extra_body)."""
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    priority: int = 0
+    rid: str | None = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    prompt: str | list[Any]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+
+
+class ResponseFormat(msgspec.Struct):
+    type: str
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[ChatMessageIn]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = True
+
+
+class Limits(msgspec.Struct, frozen=True):
+    max_context_len: int
+    max_n: int
+    max_top_logprobs: int
+    max_prompts: int
+
+
+def _check(cond: bool, message: str, param: str) -> None:
+    if not cond:
+        raise bad_request(message, param=param)
+
+
+def check_model(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise APIError(
+            404,
+            f"The model `{requested}` does not exist; this server serves `{served}`.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    _check(all(stops), "stop strings must not be empty", "stop")
+    return stops
+
+
+def check_n(n: int, limits: Limits) -> None:
+    _check(1 <= n <= limits.max_n, f"n must be between 1 and {limits.max_n}, got {n}", "n")
+
+
+def check_max_tokens(value: int | None, limits: Limits, param: str, *, minimum: int = 1) -> None:
+    if value is None:
+        return
+    _check(value >= minimum, f"{param} must be at least {minimum}, got {value}", param)
+    _check(
+        value < limits.max_context_len,
+        f"{param} is {value}, but this model's context length is {limits.max_context_len} "
+        "tokens (prompt included)",
+        param,
+    )
+
+
+def sampling_from(
+    req: _SamplingFields, *, max_new_tokens: int, return_logprob: bool, top_logprobs_num: int
+) -> SamplingParams:
+    """OpenAI request -> SamplingParams, checking every range (seed is set per choice)."""
+    t = 1.0 if req.temperature is None else req.temperature
+    _check(0.0 <= t <= 100.0, f"temperature must be between 0 and 100, got {t}", "temperature")
+    top_p = 1.0 if req.top_p is None else req.top_p
+    _check(0.0 < top_p <= 1.0, f"top_p must be in (0, 1], got {top_p}", "top_p")
+    top_k = -1 if req.top_k is None else req.top_k
+    _check(top_k == -1 or top_k >= 1, f"top_k must be -1 (all) or >= 1, got {top_k}", "top_k")
+    min_p = 0.0 if req.min_p is None else req.min_p
+    _check(0.0 <= min_p <= 1.0, f"min_p must be in [0, 1], got {min_p}", "min_p")
+    pres = req.presence_penalty or 0.0
+    freq = req.frequency_penalty or 0.0
+    _check(
+        -2.0 <= pres <= 2.0, f"presence_penalty must be in [-2, 2], got {pres}", "presence_penalty"
+    )
+    _check(
+        -2.0 <= freq <= 2.0,
+        f"frequency_penalty must be in [-2, 2], got {freq}",
+        "frequency_penalty",
+    )
+    rep = 1.0 if req.repetition_penalty is None else req.repetition_penalty
+    _check(
+        0.0 < rep <= 2.0, f"repetition_penalty must be in (0, 2], got {rep}", "repetition_penalty"
+    )
+    _check(req.min_tokens >= 0, f"min_tokens must be >= 0, got {req.min_tokens}", "min_tokens")
+    _check(
+        req.min_tokens <= max_new_tokens,
+        f"min_tokens ({req.min_tokens}) is larger than the maximum number of tokens "
+        f"({max_new_tokens})",
+        "min_tokens",
+    )
+    bias: dict[int, float] = {}
+    for k, v in (req.logit_bias or {}).items():
+        try:
+            tid = int(k)
+        except ValueError:
+            raise bad_request(
+                f"logit_bias keys must be token ids, got {k!r}", param="logit_bias"
+            ) from None
+        _check(tid >= 0, f"logit_bias token id must be >= 0, got {tid}", "logit_bias")
+        _check(
+            -100.0 <= v <= 100.0, f"logit_bias values must be in [-100, 100], got {v}", "logit_bias"
+        )
+        bias[tid] = float(v)
+    stop_ids = list(req.stop_token_ids or [])
+    _check(all(i >= 0 for i in stop_ids), "stop_token_ids must be >= 0", "stop_token_ids")
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=t,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        repetition_penalty=rep,
+        frequency_penalty=freq,
+        presence_penalty=pres,
+        min_new_tokens=req.min_tokens,
+        stop=stop_list(req.stop),
+        stop_token_ids=stop_ids,
+        ignore_eos=req.ignore_eos,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        no_stop_trim=req.no_stop_trim,
+        seed=req.seed,
+        logit_bias=bias,
+        return_logprob=return_logprob,
+        top_logprobs_num=top_logprobs_num,
+    )
+
+
+def completion_prompts(prompt: str | list[Any], limits: Limits) -> list[str | list[int]]:
+    """OpenAI's four prompt shapes (str, [str], [int], [[int]]) -> a list of prompts."""
+    if isinstance(prompt, str):
+        return [prompt]
+    _check(len(prompt) > 0, "prompt must not be an empty list", "prompt")
+    if all(isinstance(p, str) for p in prompt):
+        prompts: list[str | list[int]] = list(prompt)
+    elif all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        prompts = [list(prompt)]
+    elif all(isinstance(p, list) for p in prompt):
+        for p in prompt:
+            _check(
+                len(p) > 0 and all(isinstance(i, int) and not isinstance(i, bool) for i in p),
+                "each token-id prompt must be a non-empty list of integers",
+                "prompt",
+            )
+        prompts = [list(p) for p in prompt]
+    else:
+        raise bad_request(
+            "prompt must be a string, a list of strings, a list of token ids, "
+            "or a list of lists of token ids",
+            param="prompt",
+        )
+    _check(
+        len(prompts) <= limits.max_prompts,
+        f"at most {limits.max_prompts} prompts per request, got {len(prompts)}",
+        "prompt",
+    )
+    for p in prompts:
+        if isinstance(p, list):
+            _check(all(i >= 0 for i in p), "token ids must be >= 0", "prompt")
+    return prompts
+
+
+def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
+    """OpenAI chat messages -> bus ChatMessages (text only)."""
+    _check(len(messages) > 0, "messages must not be empty", "messages")
+    out: list[ChatMessage] = []
+    for i, m in enumerate(messages):
+        _check(
+            m.role in ("system", "user", "assistant", "developer", "tool"),
+            f"messages[{i}].role must be one of system, user, assistant, developer, tool; "
+            f"got {m.role!r}",
+            f"messages[{i}].role",
+        )
+        if m.content is None:
+            text = ""
+        elif isinstance(m.content, str):
+            text = m.content
+        else:
+            parts = []
+            for p in m.content:
+                _check(
+                    p.type == "text" and p.text is not None,
+                    f"messages[{i}].content: only text parts are supported, got {p.type!r}",
+                    f"messages[{i}].content",
+                )
+                parts.append(p.text)
+            text = "".join(parts)  # type: ignore[arg-type]
+        out.append(ChatMessage("system" if m.role == "developer" else m.role, text))
+    return out
+
+
+class NativeSamplingParams(msgspec.Struct, kw_only=True):
+    """`sampling_params` of SGLang's /generate."""
+
+    max_new_tokens: int = 128
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_new_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    seed: int | None = None
+    sampling_seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @property
+    def min_tokens(self) -> int:
+        return self.min_new_tokens
+
+
+class GenerateBody(msgspec.Struct, kw_only=True):
+    """Body of SGLang's native /generate: one request or a batch."""
+
+    text: str | list[str] | None = None
+    input_ids: list[Any] | None = None
+    sampling_params: NativeSamplingParams | list[NativeSamplingParams] | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = True
+    rid: str | list[str] | None = None
+    priority: int | None = None

@@ -27,6 +27,7 @@ the same segment:
   next segment. Every record before the damage is read.
 - some: corruption in the middle. Reading stops with `LogCorrupt`, naming the file and
   the offset of the bad record: silently skipping records would make a replay lie.
+A segment still being written reads as torn where its unflushed part begins.
 
 Invariants
 ----------
@@ -168,41 +169,44 @@ class LogWriter:
         self._file: BinaryIO | None = None
         self._segment: str | None = None
         self._segment_bytes = 0
-        self._segment_opened_ns = 0
+        self._rotate_at_ns = 0  # the open segment's age limit, as a time
+        self._flush_at_ns = 0  # the oldest unflushed record's flush deadline
+        self._max_age_ns = int(self.config.max_segment_age_s * 1e9) or (1 << 62)
+        self._flush_interval_ns = int(self.config.flush_interval_ms * 1e6)
         self._num_unflushed = 0
-        self._oldest_unflushed_ns = 0
         self._num_records = 0
         self._num_bytes = 0
         self._num_segments = 0
         self._num_flushes = 0
 
     def append(self, frames: Frames | tuple[bytes, bytes, bytes], now_ns: int) -> None:
-        record = encode_record(*(f if type(f) is bytes else bytes(f) for f in frames))
-        if self._file is not None and self._due_for_rotation(now_ns):
-            self._close_segment()
-        if self._file is None:
-            self._open_segment(now_ns)
-        assert self._file is not None
-        self._file.write(record)
+        """Append one frame triple (bytes-like frames are written as they are)."""
+        record = encode_record(*frames)
+        f = self._file
+        if f is None or now_ns >= self._rotate_at_ns:
+            if f is not None:
+                self._close_segment()
+            f = self._open_segment(now_ns)
+        f.write(record)
         self._segment_bytes += len(record)
         self._num_records += 1
         self._num_bytes += len(record)
         if self._num_unflushed == 0:
-            self._oldest_unflushed_ns = now_ns
+            self._flush_at_ns = now_ns + self._flush_interval_ns
         self._num_unflushed += 1
-        self.tick(now_ns)
+        if self._num_unflushed >= self.config.flush_every_records or now_ns >= self._flush_at_ns:
+            self.flush()
+        if self._segment_bytes >= self.config.max_segment_bytes:
+            self._close_segment()
 
     def tick(self, now_ns: int) -> None:
-        """Flush when a bound is reached; close an aged segment (the next append opens
-        a new one, so an idle recorder does not leave empty segments behind)."""
+        """Flush when the interval bound is reached; close an aged segment (the next
+        append opens a new one, so an idle recorder leaves no empty segments)."""
         if self._file is None:
             return
-        if self._num_unflushed and (
-            self._num_unflushed >= self.config.flush_every_records
-            or now_ns - self._oldest_unflushed_ns >= self.config.flush_interval_ms * 1e6
-        ):
+        if self._num_unflushed and now_ns >= self._flush_at_ns:
             self.flush()
-        if self._due_for_rotation(now_ns):
+        if now_ns >= self._rotate_at_ns:
             self._close_segment()
 
     def flush(self) -> None:
@@ -223,23 +227,18 @@ class LogWriter:
             segment=self._segment,
         )
 
-    def _due_for_rotation(self, now_ns: int) -> bool:
-        age_s = self.config.max_segment_age_s
-        return self._segment_bytes >= self.config.max_segment_bytes or (
-            age_s > 0 and now_ns - self._segment_opened_ns >= age_s * 1e9
-        )
-
-    def _open_segment(self, now_ns: int) -> None:
+    def _open_segment(self, now_ns: int) -> BinaryIO:
         name = segment_name(self._next_index)
         self._next_index += 1
         # "xb": never overwrite a segment some other writer created meanwhile
-        self._file = open(self.directory / name, "xb")  # noqa: SIM115
-        self._file.write(MAGIC)
+        f = self._file = open(self.directory / name, "xb")  # noqa: SIM115
+        f.write(MAGIC)
         self._segment = name
         self._segment_bytes = len(MAGIC)
-        self._segment_opened_ns = now_ns
+        self._rotate_at_ns = now_ns + self._max_age_ns
         self._num_segments += 1
         log.debug("segment opened", segment=name)
+        return f
 
     def _close_segment(self) -> None:
         if self._file is None:
@@ -386,7 +385,13 @@ async def record(
                 started.set()
             task_status.started()
             async for frames in sub:
-                writer.append(frames, time.monotonic_ns())
+                now_ns = time.monotonic_ns()
+                writer.append(frames, now_ns)
+                while True:  # drain what is queued without a task switch per message
+                    try:
+                        writer.append(sub.receive_nowait(), now_ns)
+                    except anyio.WouldBlock:
+                        break
             tg.cancel_scope.cancel()
     finally:
         writer.close()

@@ -21,7 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple, Union
 
 import msgspec
@@ -93,12 +93,13 @@ class Decoder:
     Shutdown))` accepts only those and raises `msgspec.ValidationError` for any other
     tag, `msgspec.DecodeError` for bytes that are not msgpack at all."""
 
-    __slots__ = ("_decoder", "types")
+    __slots__ = ("_decoder", "decode", "types")
 
     def __init__(self, types: Iterable[type[Msg]] | None = None) -> None:
         if types is None:
             self.types: tuple[type[Msg], ...] = ALL_MESSAGES
             self._decoder = msgspec.msgpack.Decoder(AnyMessage)
+            self.decode = self._decoder.decode
             return
         self.types = tuple(types)
         if not self.types:
@@ -109,9 +110,8 @@ class Decoder:
             topic_bytes(t)  # checks that it is tagged
         target = self.types[0] if len(self.types) == 1 else Union[self.types]  # noqa: UP007
         self._decoder = msgspec.msgpack.Decoder(target)
-
-    def decode(self, body: bytes) -> Msg:
-        return self._decoder.decode(body)
+        # decode(body) -> Msg: msgspec's own method, bound here to spare a call layer
+        self.decode: Callable[[bytes], Msg] = self._decoder.decode
 
     def __repr__(self) -> str:
         names = ", ".join(t.__name__ for t in self.types)

@@ -42,12 +42,24 @@ from typing import NamedTuple, TypeVar
 import anyio
 import msgspec
 
-from shunter.bus.codec import Decoder, Frames, decode_envelope, encode, topic_bytes
+from shunter.bus.codec import (
+    _ENCODER,
+    _ENVELOPE_DECODER,
+    _TOPIC_BYTES,
+    Decoder,
+    Frames,
+    encode,
+    topic_bytes,
+)
 from shunter.bus.messages import BusGap, DecodeFailed, Envelope, Msg, topic_of
 
 M = TypeVar("M", bound=Msg)
 DEFAULT_MAX_QUEUE = 4096  # messages a subscription buffers before publishers wait
 _EVENT_PREFIX = b"bus."
+_ENCODE = _ENCODER.encode
+_decode_envelope = _ENVELOPE_DECODER.decode
+_monotonic_ns = time.monotonic_ns
+_time_ns = time.time_ns
 
 
 class Received(NamedTuple):
@@ -116,8 +128,12 @@ class RawSubscription:
     # -- the consumer's side ------------------------------------------------------------
 
     async def receive(self) -> Frames:
+        source = self._source
         while True:
-            frames = await self._source.get()
+            try:
+                frames = source.get_nowait()
+            except anyio.WouldBlock:
+                frames = await source.get()
             if self._check(frames) is not None:
                 self._num_received += 1
                 return frames
@@ -167,21 +183,24 @@ class RawSubscription:
     def _check(self, frames: Frames) -> Envelope | None:
         """Decode the envelope and check its seq; None means skip these frames."""
         try:
-            env = decode_envelope(frames.envelope)
+            env = _decode_envelope(frames.envelope)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             self._decode_failed(frames.topic, f"envelope: {e}")
             return None
         pid, seq = env.publisher_id, env.seq
-        expected = self._next_seq.get(pid)
-        if expected is not None and seq != expected:
-            if seq > expected:
-                self._num_gaps += 1
-                self._num_lost += seq - expected
-                self._bus._emit(BusGap(self.subscriber_id, pid, expected, seq))
-            else:
-                self._num_seq_resets += 1
-        self._next_seq[pid] = seq + 1
+        next_seq = self._next_seq
+        if next_seq.get(pid, seq) != seq:
+            self._seq_jump(pid, next_seq[pid], seq)
+        next_seq[pid] = seq + 1
         return env
+
+    def _seq_jump(self, publisher_id: str, expected: int, seq: int) -> None:
+        if seq > expected:
+            self._num_gaps += 1
+            self._num_lost += seq - expected
+            self._bus._emit(BusGap(self.subscriber_id, publisher_id, expected, seq))
+        else:
+            self._num_seq_resets += 1
 
     def _decode_failed(self, topic: bytes, error: str) -> None:
         self._num_decode_failed += 1
@@ -198,10 +217,15 @@ class Subscription(RawSubscription):
     ) -> None:
         super().__init__(bus, prefixes, source)
         self.decoder = decoder
+        self._decode_body = decoder.decode
 
     async def receive(self) -> Received:  # type: ignore[override]
+        source = self._source
         while True:
-            frames = await self._source.get()
+            try:
+                frames = source.get_nowait()
+            except anyio.WouldBlock:
+                frames = await source.get()
             received = self._decode(frames)
             if received is not None:
                 return received
@@ -217,7 +241,7 @@ class Subscription(RawSubscription):
         if env is None:
             return None
         try:
-            msg = self.decoder.decode(frames.body)
+            msg = self._decode_body(frames.body)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             self._decode_failed(frames.topic, str(e))
             return None
@@ -511,16 +535,22 @@ class InProcBus(Bus):
         # The common case inlined (no room to wait for): this is the hot path.
         if self._closed:
             raise anyio.ClosedResourceError(f"bus {self.publisher_id!r} is closed")
-        topic = topic_bytes(type(msg))
+        topic = _TOPIC_BYTES.get(type(msg)) or topic_bytes(type(msg))
         queues = self.hub.route(topic)
         for q in queues:
             if len(q.items) >= q.max_queue:
                 await self._wait_room(topic)
                 queues = self.hub.route(topic)
                 break
-        frames = encode(msg, self.stamp())
+        seq = self._seq
+        self._seq = seq + 1
+        env = Envelope(self.publisher_id, seq, _monotonic_ns(), _time_ns())
+        frames = Frames(topic, _ENCODE(env), _ENCODE(msg))
         for q in queues:
-            q.put(frames)
+            q.items.append(frames)
+            getter = q._getter
+            if getter is not None and not getter.done():
+                getter.set_result(None)
         self._num_published += 1
 
     def _open(self, prefixes: tuple[bytes, ...], max_queue: int) -> Source:

@@ -145,6 +145,20 @@ class RawSubscription:
                 self._num_received += 1
                 return frames
 
+    async def receive_many(self, max_n: int = 256) -> list:
+        """Wait for one message, then take up to max_n already queued without waiting:
+        one wakeup per batch instead of per message (an actor draining its inbox)."""
+        if max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {max_n}")
+        out = [await self.receive()]
+        receive_nowait = self.receive_nowait
+        try:
+            while len(out) < max_n:
+                out.append(receive_nowait())
+        except (anyio.WouldBlock, anyio.ClosedResourceError):
+            pass
+        return out
+
     async def wait_connected(self, timeout_s: float = 10.0) -> None:
         """Return once every message published from now on will reach this subscription."""
         await self._source.wait_connected(timeout_s)
@@ -291,6 +305,9 @@ class Bus(abc.ABC):
     async def publish_frames(self, frames: Frames) -> None:
         """Publish frames already encoded and stamped, as they are: the low-level hook
         for re-publishing recorded traffic and for injecting faults in tests."""
+        frames = Frames(*frames)
+        if not isinstance(frames.topic, bytes) or frames.topic.startswith(b"\x00"):
+            raise ValueError("publish_frames takes frames whose topic is a message tag")
         await self._wait_room(frames.topic)
         self._send(frames)
         self._num_published += 1

@@ -111,6 +111,8 @@ class _SubSource(Source):
                 pass
             if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 continue
+            if self._waiter is not None:
+                raise anyio.BusyResourceError("receiving")
             if self._loop is None:
                 self._loop = asyncio.get_running_loop()
                 self._loop.add_reader(sock.getsockopt(zmq.FD), self._on_readable)

@@ -265,3 +265,23 @@ async def test_bad_arguments_are_clear_errors(connector):
         a.subscribe(types=(int,))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="timeout_s"):
         await a.request(Tick(0), reply=Tick, match=lambda m: True, timeout_s=0)
+
+
+async def test_receive_many_drains_what_is_queued(connector):
+    a, b = connector.connect("a"), connector.connect("b")
+    sub = b.subscribe(types=(Heartbeat,))
+    await b.wait_connected()
+    await a.wait_connected()
+    for i in range(10):
+        await a.publish(Heartbeat("a", i))
+    got: list[int] = []
+    with anyio.fail_after(5):
+        while len(got) < 10:
+            batch = await sub.receive_many(4)
+            assert 1 <= len(batch) <= 4
+            got += [r.msg.beat for r in batch]
+    assert got == list(range(10))
+    with pytest.raises(ValueError):
+        await sub.receive_many(0)
+    with pytest.raises(ValueError, match="message tag"):
+        await a.publish_frames(Frames(b"\x00probe/x", b"", b""))

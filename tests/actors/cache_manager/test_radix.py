@@ -1,0 +1,149 @@
+"""Radix tree: splits, dedupe, page alignment, namespaces, LRU, block hashes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from shunter.actors.cache_manager.radix import RadixTree, block_hash
+
+
+def test_match_splits_the_edge_it_ends_inside():
+    t = RadixTree()
+    t.insert("", [1, 2, 3, 4, 5, 6], [10, 11, 12, 13, 14, 15])
+    assert len(t.nodes()) == 1
+    m = t.match("", [1, 2, 3, 9])
+    assert (m.num_tokens, m.pages) == (3, [10, 11, 12])
+    assert m.node.key == [1, 2, 3] and m.node.pages == [10, 11, 12]
+    (child,) = m.node.children.values()
+    assert child.key == [4, 5, 6] and child.pages == [13, 14, 15] and child.parent is m.node
+    assert t.leaves == {child} and t.num_pages == 6
+    # a match without split leaves the tree alone
+    t2 = RadixTree()
+    t2.insert("", [1, 2, 3, 4], [0, 1, 2, 3])
+    m2 = t2.match("", [1, 2, 7], split=False)
+    assert (m2.num_tokens, m2.pages) == (2, [0, 1]) and len(t2.nodes()) == 1
+
+
+def test_insert_reports_cached_prefix_and_keeps_tree_pages():
+    t = RadixTree()
+    first = t.insert("", [1, 2, 3, 4], [0, 1, 2, 3])
+    assert first.num_cached_tokens == 0 and first.new_node is not None
+    second = t.insert("", [1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12])
+    assert second.num_cached_tokens == 4 and second.cached_pages == [0, 1, 2, 3]
+    assert second.new_node.pages == [11, 12]  # positions 0..3 keep the tree's pages
+    assert sorted(t.all_pages()) == [0, 1, 2, 3, 11, 12]
+    again = t.insert("", [1, 2, 3], [5, 5, 5])
+    assert again.num_cached_tokens == 3 and again.new_node is None
+    assert t.version == 2  # only inserts that added tokens count
+
+
+def test_page_size_16_alignment():
+    t = RadixTree(page_size=16)
+    toks = list(range(40))
+    with pytest.raises(ValueError, match="whole pages"):
+        t.insert("", toks, [0, 1, 2])
+    t.insert("", toks[:32], [5, 6])
+    assert t.match("", toks[:31]).pages == [5]  # 31 tokens: one whole page
+    assert t.match("", toks).num_tokens == 32
+    # a mismatch inside the second page matches only the first page
+    assert t.match("", [*toks[:20], 999, *toks[21:]]).pages == [5]
+    # and splits at the page boundary: 16 | 16
+    keys = sorted(len(n.key) for n in t.nodes())
+    assert keys == [16, 16]
+    # first-page keys distinguish children that share a first token
+    t.insert("", toks[:16] + [0] * 16, [5, 9])
+    assert t.match("", toks[:16] + [0] * 16).pages == [5, 9]
+    assert t.match("", toks[:32]).pages == [5, 6]
+
+
+def test_binary_search_finds_the_exact_divergence():
+    t = RadixTree(page_size=2)
+    key = list(range(1000))
+    t.insert("", key, list(range(500)))
+    for cut in (2, 4, 100, 998):
+        probe = key[:cut] + [-1] * 10
+        assert t.match("", probe, split=False).num_tokens == cut
+    assert t.match("", [*key[:501], -1], split=False).num_tokens == 500
+
+
+def test_namespaces_do_not_share():
+    t = RadixTree()
+    t.insert("lora-a", [1, 2, 3], [0, 1, 2])
+    assert t.match("", [1, 2, 3]).num_tokens == 0
+    assert t.match("lora-b", [1, 2, 3]).num_tokens == 0
+    assert t.match("lora-a", [1, 2, 3]).pages == [0, 1, 2]
+    t.insert("", [1, 2, 3], [3, 4, 5])
+    assert t.match("", [1, 2, 3]).pages == [3, 4, 5]
+    (a,) = t.roots["lora-a"].children.values()
+    (b,) = t.roots[""].children.values()
+    assert a.hashes != b.hashes  # the namespace seeds the hash chain
+
+
+def test_lru_eviction_order_and_locks():
+    t = RadixTree()
+    t.now = 1
+    a = t.insert("", [1, 1], [0, 1]).node
+    t.now = 2
+    b = t.insert("", [2, 2], [2, 3]).node
+    t.now = 3
+    c = t.insert("", [3, 3], [4, 5]).node
+    t.now = 4
+    t.match("", [1, 1])  # touch a: b is now the least recently used
+    t.lock(c)
+    assert t.num_locked_nodes == 1 and t.evictable_pages() == 4
+    out = t.evict(1)
+    assert [e.pages for e in out] == [[2, 3]]  # whole node b
+    out = t.evict(10)
+    assert [e.pages for e in out] == [[0, 1]]  # c is locked: only a goes
+    assert t.nodes() == [c]
+    t.unlock(c)
+    assert t.evict(10)[0].pages == [4, 5] and t.num_pages == 0
+    assert a.parent is not None and b.parent is not None
+
+
+def test_evicting_a_leaf_exposes_its_parent():
+    t = RadixTree()
+    t.now = 1
+    t.insert("", [1, 2, 3, 4], [0, 1, 2, 3])
+    t.now = 2
+    t.insert("", [1, 2, 9], [0, 1, 7])  # splits [1,2] | [3,4] and adds [9]
+    t.now = 3
+    t.match("", [1, 2, 3, 4])
+    out = t.evict(1)
+    assert [e.pages for e in out] == [[7]]
+    out = t.evict(3)  # [3,4] then its parent [1,2], now a leaf
+    assert [e.pages for e in out] == [[2, 3], [0, 1]]
+    assert t.leaves == set() and t.num_pages == 0
+
+
+def test_lock_survives_split():
+    t = RadixTree()
+    n = t.insert("", [1, 2, 3, 4], [0, 1, 2, 3]).node
+    t.lock(n)
+    m = t.match("", [1, 2, 5])  # splits the locked edge
+    assert m.node.lock_ref == 1 and n.lock_ref == 1 and t.num_locked_nodes == 2
+    assert t.evict(10) == []
+    t.unlock(n)
+    assert t.num_locked_nodes == 0 and t.num_locked_pages == 0
+
+
+def test_block_hash_chain_is_stable_across_processes():
+    h1 = block_hash(None, [1, 2, 3, 4], "")
+    h2 = block_hash(h1, [5, 6, 7, 8], "")
+    assert h1 != block_hash(None, [1, 2, 3, 4], "lora")
+    assert -(2**63) <= h1 < 2**63
+    code = (
+        "from shunter.actors.cache_manager.radix import block_hash as b;"
+        "h=b(None,[1,2,3,4],'');print(h, b(h,[5,6,7,8],''))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        env={"PYTHONHASHSEED": "12345"},
+    )  # fmt: skip
+    assert out.stdout.split() == [str(h1), str(h2)]
+    t = RadixTree(page_size=4)
+    leaf = t.insert("", [1, 2, 3, 4, 5, 6, 7, 8], [0, 1]).new_node
+    assert leaf.hashes == [h1, h2]

@@ -57,7 +57,7 @@ from shunter.actors.scheduler.batch import InFlight
 from shunter.actors.scheduler.config import SchedulerConfig
 from shunter.actors.scheduler.policy import SplitMix64, WaitingOrder
 from shunter.actors.scheduler.pool import LeasePool
-from shunter.actors.scheduler.req import RETRACTED, RUNNING, WAITING, Req, check_stop
+from shunter.actors.scheduler.req import PARKED, RETRACTED, RUNNING, WAITING, Req, check_stop
 from shunter.actors.scheduler.rows import RowAllocator
 from shunter.bus.messages import (
     AbortRequest,
@@ -79,6 +79,7 @@ from shunter.bus.messages import (
     Shutdown,
     StepResult,
     Tick,
+    Tokenized,
     TokensOut,
     TreeDropped,
 )
@@ -93,13 +94,14 @@ INBOX_TYPES: tuple[type[Msg], ...] = Inbox.__args__  # type: ignore[attr-defined
 class SchedulerStatistics(msgspec.Struct, frozen=True):
     num_waiting: int
     num_running: int
-    num_retracted: int  # awaiting a new Matched
+    num_retracted: int  # retracted or parked, not in the waiting queue
     num_steps: int
     num_in_flight: int
     num_leased_unused: int
     num_held_pages: int
     num_lease_requests: int
     num_retractions: int
+    num_parked: int  # waiting requests whose match was released under KV pressure
     num_refreshes: int
     num_chunks_cached: int
     num_finished: int
@@ -118,7 +120,8 @@ class SchedulerCore:
         self.config = config
         self.waiting: dict[str, Req] = {}  # arrival order
         self.running: dict[str, Req] = {}  # admission order
-        self.retracted: dict[str, Req] = {}
+        self.retracted: dict[str, Req] = {}  # retracted or parked: no match held here
+        self.last_pressure_step = -(10**9)  # step of the last retraction or parking
         self.pool = LeasePool()
         self.rows = RowAllocator(config.max_running_requests)
         self.order = WaitingOrder(
@@ -151,7 +154,7 @@ class SchedulerCore:
         self._last_stats_ns = 0
         self._gen_since_stats = 0
         self._n = dict.fromkeys(
-            ("retractions", "refreshes", "chunks", "finished", "aborted", "failed",
+            ("retractions", "parked", "refreshes", "chunks", "finished", "aborted", "failed",
              "prefill_tokens", "generated", "unexpected", "prompt_tokens", "cached_tokens"),
             0,
         )  # fmt: skip
@@ -225,7 +228,7 @@ class SchedulerCore:
         if req is not None:
             req.apply_match(m, self.config.page_size)
             req.awaiting_match = False
-            if req.state == RETRACTED:
+            if req.state in (RETRACTED, PARKED):
                 del self.retracted[rid]
                 req.state = WAITING
                 self.waiting[rid] = req
@@ -246,8 +249,9 @@ class SchedulerCore:
         self.enqueue_seq += 1
         self.waiting[rid] = req
         if rid in self.tombstone_set:  # its abort overtook this Matched
+            self.tombstone_set.discard(rid)
             req.abort_reason = "client"
-            self._drop_waiting(req, out, emit=False)
+            self._drop_waiting(req, out)
         elif self.draining:
             req.abort_reason = "shutdown"
             self._drop_waiting(req, out)
@@ -316,7 +320,9 @@ class SchedulerCore:
         stop = msg.reason == "stop_string"
         self._emit(req, [], finish=FinishReason.STOP if stop else FinishReason.ABORT)
         self._n["finished" if stop else "aborted"] += 1
-        if req.state == RUNNING:
+        if req.state == PARKED and not req.awaiting_match:
+            del self.retracted[rid]  # holds no match: nothing to release
+        elif req.state == RUNNING:
             if not self._in_flight_has(req):
                 self._end_running(req, "finished" if stop else "aborted", out)
         elif not req.awaiting_match:  # waiting; otherwise ended when its Matched comes
@@ -373,6 +379,7 @@ class SchedulerCore:
             if res.rows[i] != req.row:
                 self._n["unexpected"] += 1
             token = res.token_ids[i]
+            req.row_sampled = True
             if num_new > 1 or req.num_output == 0:
                 self._n["prefill_tokens"] += num_new
             req.all_ids.append(token)
@@ -460,7 +467,29 @@ class SchedulerCore:
         req.num_cached = 0
         req.num_retractions += 1
         self.retracted[req.request_id] = req
+        self.last_pressure_step = self.step_id
         self._n["retractions"] += 1
+
+    def park(self, req: Req, out: list[Msg]) -> None:
+        """Release a waiting request's match (its lock pins tree pages the running
+        requests need); it stays queued here and is matched again by `unpark`."""
+        del self.waiting[req.request_id]
+        self._release(req, "aborted", out)
+        req.state = PARKED
+        req.num_computed = 0
+        req.num_cached = 0
+        self.retracted[req.request_id] = req
+        self.last_pressure_step = self.step_id
+        self._n["parked"] += 1
+
+    def unpark(self, req: Req, out: list[Msg]) -> None:
+        """Ask the cache manager to match a parked request again (over its prompt and
+        output so far); its Matched puts it back in the waiting queue."""
+        out.append(
+            Tokenized(req.request_id, list(req.all_ids), req.sampling, req.priority,
+                      req.extra_key, req.arrival_ns, req.stream)
+        )  # fmt: skip
+        req.awaiting_match = True
 
     # ---- time and statistics -------------------------------------------------------
 
@@ -497,6 +526,7 @@ class SchedulerCore:
             num_held_pages=self.num_held,
             num_lease_requests=self.pool.num_requests,
             num_retractions=n["retractions"],
+            num_parked=n["parked"],
             num_refreshes=n["refreshes"],
             num_chunks_cached=n["chunks"],
             num_finished=n["finished"],

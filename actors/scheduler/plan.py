@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from shunter.actors.scheduler.batch import BatchBuilder, InFlight
-from shunter.actors.scheduler.req import RUNNING, Req
+from shunter.actors.scheduler.req import PARKED, RUNNING, Req
 from shunter.bus.messages import FinishReason, ForwardBatch, Msg, RefreshMatch, RowOpen
 
 if TYPE_CHECKING:
@@ -40,8 +40,13 @@ def plan_step(core: SchedulerCore, out: list[Msg]) -> ForwardBatch | None:
         if not pool.cache_short:
             out.append(pool.request(max(cfg.lease_min_pages, need - len(pool) + _want(core))))
             return None
-        # The cache could not grant more since our last release: make room by retracting.
-        need = _retract_for(core, decodes, prefilling, need, out)
+        # The cache could not grant more since our last release. First unpin the tree
+        # pages that waiting requests' matches lock (no work is lost), then retract.
+        parkable = [r for r in core.waiting.values() if r.num_cached and not r.awaiting_match]
+        for r in parkable:
+            core.park(r, out)
+        if not parkable:
+            need = _retract_for(core, decodes, prefilling, need, out)
         if need > len(pool):
             if pool.outstanding is None:
                 out.append(pool.request(max(cfg.lease_min_pages, need - len(pool))))
@@ -63,6 +68,7 @@ def plan_step(core: SchedulerCore, out: list[Msg]) -> ForwardBatch | None:
         if chunk_left is not None:
             chunk_left -= n
 
+    _unpark(core, out)
     if (
         core.waiting
         and not core.paused_by
@@ -87,6 +93,25 @@ def plan_step(core: SchedulerCore, out: list[Msg]) -> ForwardBatch | None:
     batch = builder.build(core.step_id, core.rows.take_closes(), core.version)
     core.in_flight = InFlight(core.step_id, builder.entries)
     return batch
+
+
+def _unpark(core: SchedulerCore, out: list[Msg]) -> None:
+    """Bring parked requests back (oldest first) once the pressure has passed: nothing
+    runs, or retract_decode_steps steps went by without a retraction or parking."""
+    cfg = core.config
+    if not core.retracted or core.paused_by or core.draining or core.pool.cache_short:
+        return
+    idle = not core.running
+    if not idle and core.step_id - core.last_pressure_step < cfg.retract_decode_steps:
+        return
+    if len(core.running) >= cfg.max_running_requests:
+        return
+    parked = sorted(
+        (r for r in core.retracted.values() if r.state == PARKED and not r.awaiting_match),
+        key=lambda r: r.enqueue_seq,
+    )
+    for r in parked if idle else parked[:1]:
+        core.unpark(r, out)
 
 
 def _admit(
@@ -187,6 +212,7 @@ def _next_admission_pages(core: SchedulerCore, order: list[Req], num_slots: int)
 def _open(core: SchedulerCore, builder: BatchBuilder, r: Req) -> None:
     row = core.rows.alloc()
     r.row = row
+    r.row_sampled = False
     r.state = RUNNING
     del core.waiting[r.request_id]
     core.running[r.request_id] = r

@@ -8,9 +8,9 @@ and count as "held by requests" in the census.
 
 Invariants
     - len(pages) * page_size >= num_computed (every computed position has a page).
-    - num_cached <= num_computed <= len(all_ids); a running request that finished its
-      prefill has num_computed == len(all_ids) - 1 (the last sampled token has no KV
-      yet: the next decode step computes it).
+    - num_cached <= num_computed <= len(all_ids); a running request whose row sampled
+      (`row_sampled`) has num_computed == len(all_ids) - 1: the last sampled token has
+      no KV yet, the next decode step computes it from LAST_SAMPLED.
 """
 
 from __future__ import annotations
@@ -20,14 +20,36 @@ from shunter.bus.messages import FinishReason, Matched, SamplingParams
 WAITING = "waiting"  # in the waiting queue, holding only its matched prefix
 RUNNING = "running"  # holds a row; prefilling (num_computed < len(all_ids) - 1) or decoding
 RETRACTED = "retracted"  # released for lack of KV; waits for the cache manager's new Matched
+PARKED = "parked"  # waiting, but its match released under KV pressure (unlocked, so the
+# tree may evict it); sent to the cache manager again (Tokenized) when pressure eases
 
 
 class Req:
     __slots__ = (
-        "abort_reason", "all_ids", "awaiting_match", "enqueue_seq", "enqueued_ns",
-        "extra_key", "num_cached", "num_cached_reported", "num_computed", "num_prompt",
-        "num_retractions", "num_tree_pages", "pages", "priority", "refresh_version",
-        "request_id", "row", "sampling", "seed", "state", "stop_ids", "stream",
+        "abort_reason",
+        "all_ids",
+        "arrival_ns",
+        "awaiting_match",
+        "enqueue_seq",
+        "enqueued_ns",
+        "extra_key",
+        "num_cached",
+        "num_cached_reported",
+        "num_computed",
+        "num_prompt",
+        "num_retractions",
+        "num_tree_pages",
+        "pages",
+        "priority",
+        "refresh_version",
+        "request_id",
+        "row",
+        "row_sampled",
+        "sampling",
+        "seed",
+        "state",
+        "stop_ids",
+        "stream",
         "tree_version",
     )  # fmt: skip
 
@@ -47,11 +69,13 @@ class Req:
         self.priority = r.priority
         self.extra_key = r.extra_key
         self.stream = r.stream
+        self.arrival_ns = r.arrival_ns
         self.all_ids: list[int] = list(r.input_ids)
         self.num_prompt = len(r.input_ids)
         self.num_cached_reported = m.num_cached_tokens
         self.state = WAITING
         self.row = -1
+        self.row_sampled = False  # its row sampled a token: it decodes from LAST_SAMPLED
         self.enqueue_seq = enqueue_seq
         self.enqueued_ns = enqueued_ns
         self.seed = seed
@@ -95,7 +119,9 @@ class Req:
 
     @property
     def prefilling(self) -> bool:
-        return self.num_computed < len(self.all_ids) - 1
+        """Its row has not sampled yet (a first prefill, or a re-prefill after a
+        retraction, possibly in chunks)."""
+        return not self.row_sampled
 
     def remaining_new_tokens(self) -> int:
         return max(0, self.sampling.max_new_tokens - self.num_output)

@@ -177,7 +177,7 @@ class SimExecutor:
 
 
 TO_CACHE = (LeaseRequest, LeaseReturned, ChunkCached, SequenceReleased, RefreshMatch,
-            SchedulerCensus)  # fmt: skip
+            SchedulerCensus, Tokenized)  # fmt: skip
 TO_SCHED = (Matched, LeaseGranted, StepResult)
 
 

@@ -275,6 +275,7 @@ class ReplayResult(msgspec.Struct, frozen=True):
 
 
 _encoder = msgspec.msgpack.Encoder()
+_envelope_decoder = msgspec.msgpack.Decoder(Envelope)
 MAX_DIFFERENCES_SHOWN = 20
 
 
@@ -294,9 +295,17 @@ def replay(
     if isinstance(spec, str):
         spec = get_core(spec)
     actor_id = actor_id or spec.actor_id
-    messages: list[tuple[Envelope, Msg]] = [
-        decode_record(rec) for rec in LogReader(log_path).records()
-    ]
+    # Only what the actor's replay needs is decoded: a log may hold topics this build
+    # does not know, and decoding every message of a long log costs.
+    messages: list[tuple[Envelope, Msg]] = []
+    for rec in LogReader(log_path).records():
+        topic = rec.topic.decode("ascii", "replace")
+        if not _matches(topic, spec.inbox):
+            if not _matches(topic, spec.config) and _matches(topic, spec.ignore):
+                continue
+            if _envelope_decoder.decode(rec.envelope).publisher_id != actor_id:
+                continue
+        messages.append(decode_record(rec))
 
     start, end = 0, len(messages)
     config_msg: Msg | None = None
@@ -334,7 +343,14 @@ def replay(
     divergence: Divergence | None = None
     num_unrecorded = 0
     for i, msg in enumerate(inbox):
-        for out in core.handle(msg):
+        try:
+            outs = core.handle(msg)
+        except Exception as e:  # the core broke on a recorded input: that is the verdict
+            want = pretty(outbox[produced]) if produced < len(outbox) else None
+            raised = f"<the core raised {type(e).__name__}: {e}>"
+            divergence = Divergence(produced, i, pretty(msg), want, raised)
+            break
+        for out in outs:
             if produced >= len(outbox):
                 if allow_short_recording:
                     num_unrecorded += 1

@@ -382,3 +382,35 @@ async def test_real_scheduler_and_cache_cores_replay_identically(cluster_log):
                      SCHED_INBOX, "scheduler", ("sched.config",))  # fmt: skip
     d = replay(cluster_log, other).divergence
     assert d is not None and d.expected is not None and d.got is not None
+
+
+@pytest.mark.anyio
+async def test_a_core_that_raises_is_a_divergence_and_unknown_topics_are_skipped(
+    live_log, tmp_path
+):
+    import msgspec
+
+    def explode(cfg):
+        core = build_core(cfg)
+        inner = core.handle
+
+        def handle(msg):
+            if isinstance(msg, Tick) and msg.now_ns == 4:
+                raise KeyError("row 9")
+            return inner(msg)
+
+        core.handle = handle
+        return core
+
+    d = replay(live_log, CoreSpec(ACTOR, explode, SPEC.inbox, ACTOR, SPEC.config)).divergence
+    assert d.inbox_index == 9 and d.got == "<the core raised KeyError: 'row 9'>"
+    assert d.expected.startswith("sched.tokens TokensOut(step_id=5")
+
+    # a message this build does not know, from another publisher, does not stop a replay
+    mixed = tmp_path / "mixed"
+    copy_log(live_log, mixed, lambda k, e, m: (e, m))
+    w = LogWriter(mixed)
+    env = msgspec.msgpack.encode(Envelope("newer-actor", 0, 0, 0))
+    w.append((b"future.topic", env, msgspec.msgpack.encode(["future.topic", 1])), 0)
+    w.close()
+    assert replay(mixed, ACTOR).identical

@@ -221,11 +221,23 @@ class CacheManagerCore:
     def _bad_pages(self, pages: list[int], rid: str | None, tree_pages: list[int]) -> list:
         """(page, why) for each page of pages the sender may not hand back: it must be
         OUT, kept aside for request rid, or tree_pages[i] itself at its position i."""
+        owner, num = self.ledger.owner, self.ledger.num_pages
+        k = min(len(tree_pages), len(pages))
+        rest = pages[k:]
+        if pages[:k] == tree_pages[:k] and (  # fast path: the tree's prefix, then leased
+            not rest
+            or (
+                min(rest) >= 0
+                and max(rest) < num
+                and bytes(map(owner.__getitem__, rest)).count(OUT) == len(rest)
+                and len(set(rest)) == len(rest)
+            )
+        ):
+            return []
         bad: list[tuple[int, str]] = []
         seen: set[int] = set()
-        owner, valid = self.ledger.owner, self.ledger.valid
         for i, p in enumerate(pages):
-            if not valid(p):
+            if not 0 <= p < num:
                 bad.append((p, "no such page"))
                 continue
             if p in seen:
@@ -263,12 +275,11 @@ class CacheManagerCore:
         return self.tree.match(req.tokenized.extra_key, tokens, split=False).pages
 
     def _to_tree(self, pages: list[int]) -> None:
-        for p in pages:
-            if self.ledger.owner[p] == ASIDE:
-                self.requests[self._aside_owner.pop(p)].aside.discard(p)
-                self.ledger.move([p], ASIDE, TREE)
-            else:
-                self.ledger.move([p], OUT, TREE)
+        aside = [p for p in pages if self.ledger.owner[p] == ASIDE] if self._aside_owner else []
+        for p in aside:
+            self.requests[self._aside_owner.pop(p)].aside.discard(p)
+        self.ledger.move(aside, ASIDE, TREE)
+        self.ledger.move([p for p in pages if p not in aside] if aside else pages, OUT, TREE)
 
     def _put_aside(self, req: _Request, pages: list[int]) -> None:
         rid = req.tokenized.request_id
@@ -283,7 +294,12 @@ class CacheManagerCore:
         ns = req.tokenized.extra_key
         ins = self.tree.insert(ns, tokens, pages)
         k = ins.num_cached_tokens // self.page_size
-        dups = [p for p, q in zip(pages[:k], ins.cached_pages) if p != q]
+        head = pages[:k]
+        dups = (
+            []
+            if head == ins.cached_pages
+            else [p for p, q in zip(head, ins.cached_pages) if p != q]
+        )
         if ins.new_node is not None:
             self._to_tree(pages[k:])
             if self.config.emit_kv_events:
@@ -303,7 +319,9 @@ class CacheManagerCore:
             return [self._unknown(msg.request_id, msg.pages)]
         n_full = min(len(msg.token_ids) // self.page_size, len(msg.pages))
         tokens = msg.token_ids[: n_full * self.page_size]
-        head = [p for p in msg.pages[:n_full] if p not in req.reclaimed]
+        head = msg.pages[:n_full]
+        if req.reclaimed:
+            head = [p for p in head if p not in req.reclaimed]
         bad = self._bad_pages(head, msg.request_id, self._tree_pages(req, tokens))
         if bad:
             return [self._refuse(bad, f"request {msg.request_id}")]
@@ -325,7 +343,7 @@ class CacheManagerCore:
             return [self._unknown(rid, msg.pages)]
         n_full = min(len(msg.token_ids) // self.page_size, len(msg.pages))
         tokens = msg.token_ids[: n_full * self.page_size]
-        pages = [p for p in msg.pages if p not in req.reclaimed]
+        pages = [p for p in msg.pages if p not in req.reclaimed] if req.reclaimed else msg.pages
         bad = self._bad_pages(pages, rid, self._tree_pages(req, tokens))
         if bad:
             return [self._refuse(bad, f"request {rid}")]

@@ -130,7 +130,7 @@ class RadixTree:
         known to match (the child was found by it)."""
         ps = self.page_size
         n = min(len(key), end - pos)
-        if key[:n] == tokens[pos : pos + n]:
+        if (key if n == len(key) else key[:n]) == tokens[pos : pos + n]:
             return n
         lo, hi = ps, n  # prefix of lo matches, prefix of hi does not
         while hi - lo > ps:

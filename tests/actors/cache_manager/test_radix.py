@@ -147,3 +147,13 @@ def test_block_hash_chain_is_stable_across_processes():
     t = RadixTree(page_size=4)
     leaf = t.insert("", [1, 2, 3, 4, 5, 6, 7, 8], [0, 1]).new_node
     assert leaf.hashes == [h1, h2]
+
+
+def test_radix_bench_runs_a_shared_prefix_workload():
+    from shunter.actors.cache_manager.bench import radix_bench
+
+    r = radix_bench(200, num_prefixes=4, prefix_len=128, suffix_len=16, output_len=8, page_size=4)
+    # every request after the first of its prefix hits the whole prefix (128 of 144)
+    assert 0.8 < r.hit_rate < 128 / 144
+    assert r.num_evicted_pages > 0  # the pool holds ~64 requests: the tail is evicted
+    assert r.tree_ops_per_s > 0 and r.core_requests_per_s > 0

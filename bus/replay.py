@@ -13,10 +13,11 @@ core the harness
    the factory gets None). Each such message starts one run of the actor (a restart
    publishes it again); a replay covers one run, the first unless `run` says which,
    from its config message to the next one or the end of the log;
-2. takes the inbox: every message of the run under the spec's `inbox` prefixes, in
-   log order, whoever published it (so a `Tick` a shell sends its own core counts);
+2. takes the inbox: every message of the run the spec's `inbox` takes (types by exact
+   topic, strings as prefixes), in log order, whoever published it (so a `Tick` a
+   shell sends its own core counts);
 3. takes the recorded outbox: every message the actor published, except those under
-   `inbox` (its own ticks) or under `ignore` (the shell's own traffic: health, bus);
+   the inbox (its own ticks) or under `ignore` (the shell's own traffic: health, bus);
 4. feeds the inbox in order, concatenates what `handle` returns, and compares it with
    the recorded outbox item by item on their msgpack encodings. The first difference
    (a different message, a missing one, or an extra one) ends the replay and is
@@ -32,8 +33,9 @@ What a shell does to be replayable
   order, the recorder's included, so the log's order is the core's order.
 - Publishes every output of `handle`, in order. Traffic the shell makes by itself
   (health, metrics read from a clock) goes under the spec's `ignore` prefixes.
-- Declares exact topics when an inbox topic is a prefix of an outbox topic
-  (`cache.census.sched` in, `cache.census` out: declare the former, not `cache.`).
+- Declares its inbox by message type when an inbox topic is a prefix of an outbox
+  topic (`DropTree` is `cache.drop`, `TreeDropped` is `cache.dropped`): a type matches
+  its exact topic, a string matches as a prefix.
 
 Registering a core
 ------------------
@@ -77,10 +79,25 @@ class Core(Protocol):
 class CoreSpec:
     name: str  # what `busctl replay --actor` calls it
     factory: Callable[[Msg | None], Core]  # builds a core from its recorded config message
-    inbox: tuple[str, ...]  # topic prefixes the core consumes
+    inbox: tuple[str | type[Msg], ...]  # what the core consumes: topic prefixes (str) or
+    #                                     message types (their exact topic)
     actor_id: str  # the shell's publisher id on the bus; its messages are the outbox
     config: tuple[str, ...] = ()  # topic prefixes of the message the core is built from
     ignore: tuple[str, ...] = ("health.", "bus.")  # shell traffic, not the core's outbox
+
+    def __post_init__(self) -> None:
+        for item in self.inbox:
+            if not isinstance(item, str) and not (isinstance(item, type) and issubclass(item, Msg)):
+                raise TypeError(
+                    f"core {self.name!r}: inbox item {item!r} is not a prefix or a Msg type"
+                )
+        exact = frozenset(topic_of(t) for t in self.inbox if not isinstance(t, str))
+        object.__setattr__(self, "_exact", exact)
+        object.__setattr__(self, "_prefixes", tuple(p for p in self.inbox if isinstance(p, str)))
+
+    def takes(self, topic: str) -> bool:
+        """Whether a message of this topic is the core's input."""
+        return topic in self._exact or topic.startswith(self._prefixes)  # type: ignore[attr-defined]
 
 
 # name -> module that registers it when imported (the actor shells)
@@ -95,7 +112,7 @@ _REGISTRY: dict[str, CoreSpec] = {}
 def register_core(
     name: str,
     factory: Callable[[Msg | None], Core],
-    inbox: Iterable[str],
+    inbox: Iterable[str | type[Msg]],
     *,
     actor_id: str | None = None,
     config: Iterable[str] = (),
@@ -111,7 +128,7 @@ def register_core(
         ignore=tuple(ignore),
     )
     if not spec.inbox:
-        raise ValueError(f"core {name!r}: inbox needs at least one topic prefix")
+        raise ValueError(f"core {name!r}: inbox needs at least one topic prefix or type")
     _REGISTRY[name] = spec
     return spec
 
@@ -300,7 +317,7 @@ def replay(
     messages: list[tuple[Envelope, Msg]] = []
     for rec in LogReader(log_path).records():
         topic = rec.topic.decode("ascii", "replace")
-        if not _matches(topic, spec.inbox):
+        if not spec.takes(topic):
             if not _matches(topic, spec.config) and _matches(topic, spec.ignore):
                 continue
             if _envelope_decoder.decode(rec.envelope).publisher_id != actor_id:
@@ -333,7 +350,7 @@ def replay(
     outbox: list[Msg] = []
     for env, msg in messages[start:end]:
         topic = topic_of(msg)
-        if _matches(topic, spec.inbox):
+        if spec.takes(topic):
             inbox.append(msg)
         elif env.publisher_id == actor_id and not _matches(topic, spec.ignore):
             outbox.append(msg)

@@ -247,6 +247,15 @@ def test_registry():
         get_core("nope")
     with pytest.raises(ValueError, match="inbox needs at least one"):
         register_core("empty", build_core, inbox=())
+    with pytest.raises(TypeError, match="is not a prefix or a Msg type"):
+        CoreSpec("x", build_core, (3,), "x")
+    # a type takes its exact topic only; a string is a prefix
+    from shunter.bus.messages import DropTree
+
+    by_type = CoreSpec("x", build_core, (DropTree, "sched."), "x")
+    assert by_type.takes("cache.drop") and not by_type.takes("cache.dropped")
+    assert by_type.takes("sched.tick")
+    assert CoreSpec("x", build_core, ("cache.drop",), "x").takes("cache.dropped")
 
 
 @pytest.mark.anyio
@@ -262,15 +271,13 @@ async def test_each_run_of_a_restarted_actor_replays_from_its_own_config(tmp_pat
 
 
 # --- the real scheduler and cache manager cores ------------------------------------
-# Until their shells register them, these specs follow the same contract: each shell
-# publishes its config (SchedulerConfigured / Ready.info) first, feeds its core what
-# its subscription delivers and publishes every output.
+# The cache manager runs its own shell and replay registration ("cache"). Until the
+# scheduler's shell registers, a minimal shell and spec here keep the same contract:
+# publish the config (SchedulerConfigured) first, feed the core what the subscription
+# delivers, publish every output.
 
 SCHED_INBOX = ("cache.matched", "cache.lease.granted", "sched.result", "req.abort",
                "sched.tick", "flip.", "health.shutdown", "cache.dropped")  # fmt: skip
-CACHE_INBOX = ("tok.tokenized", "cache.refresh", "cache.lease.request", "cache.lease.returned",
-               "cache.chunk", "cache.release", "cache.census.sched", "cache.drop",
-               "spill.")  # fmt: skip
 
 
 def _sched_factory(cfg, **changes):
@@ -281,13 +288,6 @@ def _sched_factory(cfg, **changes):
 
     config = msgspec.json.decode(cfg.config_json, type=SchedulerConfig)
     return SchedulerCore(msgspec.structs.replace(config, **changes))
-
-
-def _cache_factory(cfg):
-    from shunter.actors.cache_manager.config import CacheConfig
-    from shunter.actors.cache_manager.core import CacheManagerCore
-
-    return CacheManagerCore(CacheConfig.from_info(cfg.info))
 
 
 async def serve_core(bus: Bus, core, inbox, config_msg, task_status=anyio.TASK_STATUS_IGNORED):
@@ -304,8 +304,8 @@ async def serve_core(bus: Bus, core, inbox, config_msg, task_status=anyio.TASK_S
 async def record_cluster(directory: pathlib.Path) -> None:
     import msgspec
 
+    from shunter.actors.cache_manager.actor import run as run_cache
     from shunter.actors.cache_manager.config import CacheConfig
-    from shunter.actors.cache_manager.core import CacheManagerCore
     from shunter.actors.scheduler.config import SchedulerConfig
     from shunter.actors.scheduler.core import SchedulerCore
     from shunter.actors.scheduler.sim import SimExecutor, mix64
@@ -341,10 +341,7 @@ async def record_cluster(directory: pathlib.Path) -> None:
         await tg.start(
             serve_core, hub.connect("scheduler"), SchedulerCore(sched_cfg), SCHED_INBOX, sched_msg
         )
-        ready = Ready(actor="cache", actor_id="cache", info=cache_cfg.to_info())
-        await tg.start(
-            serve_core, hub.connect("cache"), CacheManagerCore(cache_cfg), CACHE_INBOX, ready
-        )
+        await tg.start(run_cache, cache_cfg, hub.connect("cache"))  # the real shell
         await tg.start(
             serve_core, hub.connect("executor.0"), ExecutorCore(), ("sched.batch",), None
         )
@@ -372,8 +369,7 @@ async def cluster_log(tmp_path) -> pathlib.Path:
 @pytest.mark.anyio
 async def test_real_scheduler_and_cache_cores_replay_identically(cluster_log):
     sched = CoreSpec("scheduler", _sched_factory, SCHED_INBOX, "scheduler", ("sched.config",))
-    cache = CoreSpec("cache", _cache_factory, CACHE_INBOX, "cache", ("health.ready",))
-    for spec in (sched, cache):
+    for spec in (sched, get_core("cache")):  # the cache shell registers itself
         result = replay(cluster_log, spec)
         assert result.identical, result.report()
         assert result.num_inbox > 20 and result.num_outbox > 20, result.report()

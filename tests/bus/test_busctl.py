@@ -295,3 +295,11 @@ def test_request_id_filter_matches_nested_fields_and_expansions():
     assert not f.wants(TokensOut(1, [RequestOutput("req-70", [1])]))
     assert not f.wants(TokensOut(1, [RequestOutput("req-7-x", [1])]))
     assert build_parser().parse_args(["dump", "x", "-r", "a", "-r", "b"]).request_id == ["a", "b"]
+
+
+def test_replay_a_real_registered_core_by_name(tmp_path):
+    """`--actor cache` finds the cache manager's own registration (no --import)."""
+    anyio.run(rt.record_cluster, tmp_path / "log")
+    res = run("replay", str(tmp_path / "log"), "--actor", "cache")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "replay cache (publisher cache):" in res.stdout and ": identical" in res.stdout

@@ -236,7 +236,8 @@ class Supervisor:
             match action:
                 case StartActors(ids):
                     for actor_id in ids:
-                        await self._start(actor_id)
+                        if self.exit is None:
+                            await self._start(actor_id)
                 case Publish(msg):
                     await self.bus.publish(msg)
                 case StopActor(actor_id):
@@ -260,6 +261,12 @@ class Supervisor:
         log.info("starting actor", actor=actor_id, stage=spec.stage)
         try:
             handle = await self.launchers[spec.kind](spec, dict(self.core.ready_info))
+        except ValueError as e:  # a config the actor refuses, an actor missing: one line
+            log.error("actor could not be started", actor=actor_id, error=str(e))
+            await self._apply(self.core.handle(Started(actor_id), time.monotonic_ns()))
+            reason = f"could not start: {e}"
+            await self._apply(self.core.handle(Exited(actor_id, reason), time.monotonic_ns()))
+            return
         except Exception as e:
             log.exception("actor could not be started", actor=actor_id)
             await self._apply(self.core.handle(Started(actor_id), time.monotonic_ns()))

@@ -239,7 +239,7 @@ async def spawn_actor(
     if config_type is not None:
         cmd += ["--config-type", config_type]
     process = await anyio.open_process(
-        cmd, stdin=subprocess.PIPE, stdout=None, stderr=None,
+        cmd, stdin=subprocess.PIPE, stdout=None, stderr=None, start_new_session=True,
         env={**os.environ, **env} if env is not None else None,
     )  # fmt: skip
     assert process.stdin is not None

@@ -1,0 +1,278 @@
+"""`shunter serve`: server arguments in, a supervised deployment of every actor out.
+
+Theory of operation
+    `run(args)` merges the command line with `--config FILE` into a validated
+    ServerArgs (a bad option is exit 2 with one line naming it), checks the paths, sets
+    up logging, and hands over to `serve()`, which returns the exit code.
+
+    The plan (`actor_specs`, `build_config`): stage 0 starts the executor (loads the
+    weights and sizes the KV pool) and the tokenizer side by side; stage 1 the cache
+    manager and the scheduler, whose configs need the pool size, context length and eos
+    ids the executor reported in its Ready; stage 2 the gateway, which opens the port
+    only once everything else is Ready. The supervisor (actors/supervisor.py) enforces
+    that order, the start timeout, heartbeats and the SIGTERM drain.
+
+    Deployments:
+    - embedded (default): every actor is a task of this process's event loop, on the
+      in-process bus.
+    - --multi-process: this process runs the supervisor and the ZMQ broker (a thread),
+      and each actor runs in its own process (ops/launch.py), over ipc:// sockets in a
+      private runtime directory removed on exit. Children get their own session, so a
+      terminal's Ctrl-C reaches only the supervisor, which drains and then stops them.
+
+    `--record-events DIR` starts the bus recorder before any actor, so the log holds
+    every message from the first Ready on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import anyio
+import structlog
+
+from shunter.actors.supervisor import EmbeddedActor, Supervisor, run_with_heartbeats
+from shunter.actors.supervisor_core import ActorSpec, SupervisorConfig
+from shunter.bus.messages import Ready
+from shunter.ops.server_args import (
+    ServerArgs,
+    add_server_arguments,
+    check_paths,
+    namespace_to_server_args,
+)
+
+log = structlog.get_logger("shunter.serve")
+
+EXECUTOR_ID = "executor.0"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_server_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        server_args = namespace_to_server_args(args)
+        check_paths(server_args)
+    except ValueError as e:
+        print(f"shunter serve: {e}", file=sys.stderr)
+        return 2
+    from shunter.ops import logging as shunter_logging
+
+    shunter_logging.configure(server_args.log_level, server_args.log_format)
+    return anyio.run(serve, server_args, backend="asyncio")
+
+
+# ---- the plan ------------------------------------------------------------------------
+
+
+def actor_specs(a: ServerArgs) -> list[ActorSpec]:
+    return [
+        ActorSpec(EXECUTOR_ID, "executor", 0),
+        ActorSpec("tokenizer", "tokenizer", 0),
+        ActorSpec("cache", "cache", 1),
+        ActorSpec("scheduler", "scheduler", 1),
+        ActorSpec("gateway", "gateway", 2),
+    ]
+
+
+def draw_seed(a: ServerArgs) -> int:
+    """--random-seed, or one drawn now (the only randomness; it reaches actors as data)."""
+    return a.random_seed if a.random_seed is not None else int.from_bytes(os.urandom(8)) >> 1
+
+
+def _executor_facts(ready: Mapping[str, Ready]) -> dict[str, Any]:
+    info = ready[EXECUTOR_ID].info
+    eos = str(info.get("eos_token_ids", ""))
+    return {
+        "num_pages": int(info["num_pages"]),
+        "page_size": int(info["page_size"]),
+        "max_context_len": int(info["max_context_len"]),
+        "eos_token_ids": tuple(int(t) for t in eos.split(",") if t.strip()),
+    }
+
+
+def public_server_info(a: ServerArgs) -> dict[str, Any]:
+    """What /get_server_info may show: every argument except the secrets."""
+    info = a.to_dict()
+    for secret in ("api_key", "admin_api_key"):
+        info[secret] = None if info[secret] is None else "<set>"
+    return info
+
+
+def build_config(spec: ActorSpec, a: ServerArgs, ready: Mapping[str, Ready], seed: int) -> Any:
+    """The config object of one actor, from the server args and earlier Readys."""
+    from shunter.actors.model_files import resolve_model
+
+    match spec.kind:
+        case "executor":
+            from shunter.actors.executor.config import ExecutorConfig
+
+            return ExecutorConfig(
+                actor_id=spec.actor_id, model_path=a.model_path, dtype=a.dtype, device=a.device,
+                load_format=a.load_format, page_size=a.page_size,
+                max_total_tokens=a.max_total_tokens, mem_fraction_static=a.mem_fraction_static,
+                context_length=a.context_length, seed=seed % 2**32,
+            )  # fmt: skip
+        case "tokenizer":
+            from shunter.actors.tokenizer.config import TokenizerConfig
+
+            return TokenizerConfig(
+                actor_id=spec.actor_id, model_path=a.model_path, tokenizer_path=a.tokenizer_path,
+                chat_template=a.chat_template, context_len=a.context_length,
+            )  # fmt: skip
+        case "cache":
+            from shunter.actors.cache_manager.config import CacheConfig
+
+            facts = _executor_facts(ready)
+            return CacheConfig(
+                actor_id=spec.actor_id, num_pages=facts["num_pages"],
+                page_size=facts["page_size"], disable_radix_cache=a.disable_radix_cache,
+            )  # fmt: skip
+        case "scheduler":
+            from shunter.actors.scheduler.config import from_server_args
+
+            facts = _executor_facts(ready)
+            return from_server_args(
+                a, num_total_pages=facts["num_pages"], max_context_len=facts["max_context_len"],
+                eos_token_ids=facts["eos_token_ids"], seed=seed,
+            )  # fmt: skip
+        case "gateway":
+            from shunter.gateway.config import GatewayConfig
+
+            facts = _executor_facts(ready)
+            source = resolve_model(a.model_path)
+            info = public_server_info(a) | {
+                "num_kv_pages": facts["num_pages"], "max_context_len": facts["max_context_len"],
+            }  # fmt: skip
+            return GatewayConfig(
+                actor_id=spec.actor_id, host=a.host, port=a.port, api_key=a.api_key,
+                admin_api_key=a.admin_api_key, enable_metrics=a.enable_metrics,
+                served_model_name=a.served_model_name or source.name, model_path=source.path,
+                tokenizer_path=a.tokenizer_path or source.path,
+                max_context_len=facts["max_context_len"], server_info=info,
+            )  # fmt: skip
+    raise ValueError(f"no config for actor kind {spec.kind!r}")
+
+
+def supervisor_config(a: ServerArgs) -> SupervisorConfig:
+    return SupervisorConfig(
+        actor_specs(a), watchdog_timeout_s=a.watchdog_timeout, start_timeout_s=a.start_timeout,
+        shutdown_timeout_s=a.shutdown_timeout, tick_interval_s=min(0.25, a.heartbeat_interval),
+    )  # fmt: skip
+
+
+# ---- running it ----------------------------------------------------------------------
+
+
+async def serve(
+    a: ServerArgs,
+    *,
+    handle_signals: bool = True,
+    on_health: Callable[[str, str], None] | None = None,
+) -> int:
+    """Run the whole server until it stops; returns the exit code."""
+    seed = draw_seed(a)
+    log.info("serving", model=a.model_path or "default", deployment=(
+        "multi-process" if a.multi_process else "embedded"), host=a.host, port=a.port)  # fmt: skip
+
+    def health(state: str, reason: str) -> None:
+        if state == "serving":
+            log.info("server ready", url=f"http://{a.host}:{a.port}")
+        if on_health is not None:
+            on_health(state, reason)
+
+    if a.multi_process:
+        return await _serve_multi_process(a, seed, handle_signals, health)
+    return await _serve_embedded(a, seed, handle_signals, health)
+
+
+async def _serve_embedded(a: ServerArgs, seed: int, handle_signals: bool, health) -> int:
+    from shunter.bus.transport import InProcHub
+    from shunter.ops.launch import resolve
+
+    hub = InProcHub()
+
+    async with anyio.create_task_group() as actors_tg:
+
+        async def launch(spec: ActorSpec, ready: Mapping[str, Ready]) -> EmbeddedActor:
+            config = build_config(spec, a, ready, seed)
+            entry, _ = resolve(spec.kind)
+            bus = hub.connect(spec.actor_id)
+
+            async def main() -> None:
+                try:
+                    await run_with_heartbeats(
+                        spec.actor_id, lambda: entry(config, bus), bus, a.heartbeat_interval
+                    )
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await bus.aclose()
+
+            handle = EmbeddedActor(spec.actor_id, main)
+            actors_tg.start_soon(handle.run)
+            return handle
+
+        code = await _supervise(a, hub.connect, launch, handle_signals, health)
+        actors_tg.cancel_scope.cancel()
+    return code
+
+
+async def _serve_multi_process(a: ServerArgs, seed: int, handle_signals: bool, health) -> int:
+    from shunter.bus.broker import Broker
+    from shunter.bus.zmq_transport import ZmqBus, default_endpoints
+    from shunter.ops.launch import spawn_actor
+
+    runtime_dir = tempfile.mkdtemp(prefix="shunter-")
+    endpoints = default_endpoints(runtime_dir)
+    broker = Broker(endpoints.frontend, endpoints.backend)
+    broker.start()
+    log.info("broker started", frontend=endpoints.frontend, backend=endpoints.backend)
+
+    async def launch(spec: ActorSpec, ready: Mapping[str, Ready]):
+        config = build_config(spec, a, ready, seed)
+        return await spawn_actor(
+            spec.kind, spec.actor_id, config, endpoints,
+            heartbeat_interval_s=a.heartbeat_interval, log_level=a.log_level,
+            log_format=a.log_format,
+        )  # fmt: skip
+
+    try:
+        return await _supervise(
+            a, lambda pid: ZmqBus(pid, endpoints), launch, handle_signals, health
+        )
+    finally:
+        broker.stop()
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+async def _supervise(a: ServerArgs, connect, launch, handle_signals: bool, health) -> int:
+    """The recorder (if asked for), then the supervisor over every actor kind."""
+    kinds = {s.kind for s in actor_specs(a)}
+    sup_bus = connect("supervisor")
+    try:
+        async with anyio.create_task_group() as tg:
+            if a.record_events is not None:
+                from shunter.bus.log import record
+
+                rec_bus = connect("recorder")
+                await tg.start(record, rec_bus, a.record_events)
+            supervisor = Supervisor(
+                supervisor_config(a), sup_bus, dict.fromkeys(kinds, launch),
+                handle_signals=handle_signals, on_health=health,
+                stop_grace_s=5.0,
+            )  # fmt: skip
+            code = await supervisor.run()
+            tg.cancel_scope.cancel()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await sup_bus.aclose()
+            if a.record_events is not None:
+                await rec_bus.aclose()
+    return code

@@ -1,0 +1,126 @@
+"""`shunter serve` without a model: the command line's exit codes and the plan that maps
+server arguments (and the executor's Ready) onto each actor's config."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from shunter.actors.supervisor_core import SupervisorCore
+from shunter.bus.messages import Ready
+from shunter.ops import serve
+from shunter.ops.serve import (
+    EXECUTOR_ID,
+    actor_specs,
+    build_config,
+    public_server_info,
+    supervisor_config,
+)
+from shunter.ops.server_args import ServerArgs, build_parser, parse_server_args
+
+EXECUTOR_READY = {
+    EXECUTOR_ID: Ready("executor", EXECUTOR_ID, {
+        "num_pages": 4096, "page_size": 1, "max_context_len": 2048, "vocab_size": 49152,
+        "eos_token_ids": "2,7",
+    })
+}  # fmt: skip
+
+
+def _serve(*argv, timeout=60):
+    return subprocess.run([sys.executable, "-m", "shunter", "serve", *argv],
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def _run_in_process(capsys, *argv):
+    code = serve.run(build_parser().parse_args(list(argv)))
+    return code, capsys.readouterr().err
+
+
+def test_bad_options_exit_2_with_one_clear_line(capsys):
+    code, err = _run_in_process(capsys, "--tp", "2")
+    assert code == 2
+    assert (
+        err.strip()
+        == "shunter serve: --tp-size 2: tensor parallelism is not supported yet (only 1)"
+    )
+    code, err = _run_in_process(capsys, "--model-path", "/nonexistent/model.gguf")
+    assert code == 2
+    assert "--model-path: model path '/nonexistent/model.gguf' does not exist" in err
+
+
+def test_the_real_command_dispatches_to_serve():
+    r = _serve("--help")
+    assert r.returncode == 0
+    for group in ("model:", "server:", "scheduling:", "memory:", "parallelism:", "logging:",
+                  "deployment:"):  # fmt: skip
+        assert group in r.stdout
+    assert "--tensor-parallel-size" in r.stdout and "--config FILE" in r.stdout
+
+
+def test_stages_put_the_gateway_last_and_satisfy_the_supervisor():
+    a = ServerArgs()
+    specs = actor_specs(a)
+    by_stage = {s.actor_id: s.stage for s in specs}
+    assert by_stage[EXECUTOR_ID] == 0 and by_stage["tokenizer"] == 0
+    assert by_stage["cache"] == by_stage["scheduler"] == 1
+    assert by_stage["gateway"] == max(by_stage.values())
+    cfg = supervisor_config(parse_server_args(["--watchdog-timeout", "9", "--shutdown-timeout",
+                                               "4", "--start-timeout", "99"]))  # fmt: skip
+    assert (cfg.watchdog_timeout_s, cfg.shutdown_timeout_s, cfg.start_timeout_s) == (9, 4, 99)
+    SupervisorCore(cfg)  # valid
+
+
+def test_configs_follow_the_server_args_and_the_executor_ready():
+    a = parse_server_args([
+        "--max-total-tokens", "4096", "--page-size", "1", "--dtype", "float32",
+        "--disable-radix-cache", "--schedule-policy", "lpm", "--max-prefill-num-token", "777",
+        "--max-running-requests", "12", "--api-key", "sekret", "--port", "31234",
+        "--served-model-name", "smol", "--enable-metrics", "--chunked-prefill-size", "128",
+    ])  # fmt: skip
+    specs = {s.kind: s for s in actor_specs(a)}
+    ex = build_config(specs["executor"], a, {}, seed=5)
+    assert (ex.max_total_tokens, ex.dtype, ex.page_size, ex.actor_id) == (
+        4096,
+        "float32",
+        1,
+        EXECUTOR_ID,
+    )
+    tok = build_config(specs["tokenizer"], a, {}, seed=5)
+    assert tok.model_path is None and tok.actor_id == "tokenizer"
+    cache = build_config(specs["cache"], a, EXECUTOR_READY, seed=5)
+    assert (cache.num_pages, cache.page_size, cache.disable_radix_cache) == (4096, 1, True)
+    sched = build_config(specs["scheduler"], a, EXECUTOR_READY, seed=5)
+    assert (sched.max_prefill_tokens, sched.schedule_policy, sched.max_running_requests) == (
+        777,
+        "lpm",
+        12,
+    )
+    assert (sched.max_context_len, sched.eos_token_ids, sched.seed) == (2048, (2, 7), 5)
+    assert (sched.chunked_prefill_size, sched.num_total_pages) == (128, 4096)
+    gw = build_config(specs["gateway"], a, EXECUTOR_READY, seed=5)
+    assert (gw.port, gw.api_key, gw.served_model_name, gw.enable_metrics) == (
+        31234,
+        "sekret",
+        "smol",
+        True,
+    )
+    assert gw.max_context_len == 2048
+    assert gw.server_info["api_key"] == "<set>" and "sekret" not in str(gw.server_info)
+    assert gw.server_info["max_prefill_tokens"] == 777
+
+
+def test_an_impossible_context_length_is_a_clear_start_error():
+    a = parse_server_args(["--context-length", "100000"])
+    spec = next(s for s in actor_specs(a) if s.kind == "scheduler")
+    with pytest.raises(
+        ValueError, match="--context-length 100000: longer than the model's maximum 2048"
+    ):
+        build_config(spec, a, EXECUTOR_READY, seed=0)
+
+
+def test_public_server_info_hides_only_secrets():
+    info = public_server_info(ServerArgs(admin_api_key="adm"))
+    assert info["admin_api_key"] == "<set>" and info["api_key"] is None
+    assert info["port"] == 30000

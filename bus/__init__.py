@@ -4,6 +4,7 @@
 - `shunter.bus.codec`: the wire format, `Frames(topic, envelope, body)`.
 - `shunter.bus.transport`: the `Bus` API (publish, subscribe, subscribe_raw, request,
   wait_connected) and the in-process transport (`InProcHub().connect("scheduler")`).
+- `shunter.bus.subscription`: subscriptions, with gap and decode-failure events.
 - `shunter.bus.zmq_transport` / `shunter.bus.broker`: the ZMQ transport through an
   XSUB/XPUB broker (`ipc://` on one host, `tcp://` with CURVE across hosts).
 

@@ -83,8 +83,12 @@ def attention_decode(
 ) -> torch.Tensor:
     """q: [B, H, D]; k_cache, v_cache: [num_slots, Hkv, D] -> [B, H, D]."""
     bsz, num_heads, head_dim = q.shape
-    k = k_cache[plan.kv_indices].transpose(1, 2)  # [B, Hkv, L, D]
-    v = v_cache[plan.kv_indices].transpose(1, 2)
+    bsz_l = plan.kv_indices.shape
+    flat = plan.kv_indices.view(-1)
+    # index_select, not advanced indexing: far cheaper for small gathers on the CPU
+    k = k_cache.index_select(0, flat).view(*bsz_l, *k_cache.shape[1:]).transpose(1, 2)
+    v = v_cache.index_select(0, flat).view(*bsz_l, *v_cache.shape[1:]).transpose(1, 2)
+    # k, v: [B, Hkv, L, D]
     out = F.scaled_dot_product_attention(
         q[:, :, None, :].to(k.dtype),  # [B, H, 1, D]
         k,

@@ -109,8 +109,8 @@ def attention_extend(
                 qe, ke, ve, is_causal=True, scale=scale, enable_gqa=gqa
             )
         else:
-            ke = k_cache[slots].transpose(0, 1)[None]  # [1, Hkv, seq_len, D]
-            ve = v_cache[slots].transpose(0, 1)[None]
+            ke = k_cache.index_select(0, slots).transpose(0, 1)[None]  # [1, Hkv, seq_len, D]
+            ve = v_cache.index_select(0, slots).transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(
                 qe.to(ke.dtype), ke, ve, attn_mask=mask, scale=scale, enable_gqa=gqa
             )

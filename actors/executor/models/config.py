@@ -68,8 +68,8 @@ class ModelConfig(msgspec.Struct, frozen=True):
     rope_scaling: RopeScaling | None = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    qkv_bias: bool = False  # biases on q/k/v projections (Qwen2; Llama attention_bias)
-    o_bias: bool = False  # bias on the output projection (Llama attention_bias only)
+    qkv_bias: bool = False  # biases on q/k/v projections (Qwen2; attention_bias)
+    o_bias: bool = False  # bias on the output projection (Llama/Qwen3 attention_bias)
     mlp_bias: bool = False  # biases on gate/up/down (Llama mlp_bias)
     qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3)
     sliding_window: int | None = None  # keys older than this many positions are masked
@@ -158,7 +158,11 @@ def from_hf_dict(d: dict, *, overrides: dict | None = None) -> ModelConfig:
         theta = (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)
     attention_bias = bool(d.get("attention_bias", False))
     sliding = d.get("sliding_window")
-    if family in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
+    if family in ("qwen2", "qwen3"):
+        if d.get("use_sliding_window", False):
+            raise ValueError(
+                f"{family} with use_sliding_window (per-layer windows) is not supported"
+            )
         sliding = None
     return ModelConfig(
         family=family,
@@ -175,7 +179,7 @@ def from_hf_dict(d: dict, *, overrides: dict | None = None) -> ModelConfig:
         max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or attention_bias,
-        o_bias=family == "llama" and attention_bias,
+        o_bias=family in ("llama", "qwen3") and attention_bias,
         mlp_bias=bool(d.get("mlp_bias", False)),
         qk_norm=family == "qwen3",
         sliding_window=int(sliding) if sliding else None,

@@ -27,6 +27,8 @@ the same segment:
   next segment. Every record before the damage is read.
 - some: corruption in the middle. Reading stops with `LogCorrupt`, naming the file and
   the offset of the bad record: silently skipping records would make a replay lie.
+  A person inspecting a damaged log can ask to skip it (`skip_corrupt=True`, busctl's
+  `--skip-corrupt`); every skip is then warned about and listed in `statistics()`.
 A segment still being written reads as torn where its unflushed part begins.
 
 Invariants
@@ -134,6 +136,8 @@ class LogStatistics(msgspec.Struct, frozen=True):
     torn: bool
     torn_segments: list[str] = []  # "events-000003.log@1234": where each torn tail starts
     num_torn_bytes: int = 0
+    skipped: list[str] = []  # where corrupt runs were skipped (skip_corrupt=True only)
+    num_skipped_bytes: int = 0
 
 
 def segment_name(index: int) -> str:
@@ -269,10 +273,14 @@ class LogReader:
     """Reads a log (a directory of segments, or one segment file) in order.
 
     `records()` yields raw `Record`s; `messages()` yields typed `(Envelope, Msg)`.
-    `statistics()` describes what the last complete pass found (torn tails included)."""
+    `statistics()` describes what the last complete pass found (torn tails included).
+    `skip_corrupt=True` reads past corruption in the middle (to the next intact record)
+    instead of raising, and reports each skip in `statistics()`: for looking at a
+    damaged log, never for replaying one."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, skip_corrupt: bool = False):
         self.path = pathlib.Path(path)
+        self.skip_corrupt = skip_corrupt
         if self.path.is_dir():
             self.segments = list_segments(self.path)
         elif self.path.is_file():
@@ -282,8 +290,9 @@ class LogReader:
         self._stats = LogStatistics(len(self.segments), 0, 0, False)
 
     def records(self) -> Iterator[Record]:
-        num_records = num_bytes = num_torn_bytes = 0
+        num_records = num_bytes = num_torn_bytes = num_skipped_bytes = 0
         torn_segments: list[str] = []
+        skipped: list[str] = []
         for seg in self.segments:
             buf, name = seg.read_bytes(), seg.name
             if buf[: len(MAGIC)] != MAGIC:
@@ -302,9 +311,15 @@ class LogReader:
                         (p for p in range(pos + 1, len(buf)) if _valid_record_at(view, p)), None
                     )
                     if resume is not None:
-                        raise LogCorrupt(
-                            seg, pos, f"bad record, {resume - pos} bytes before the next intact one"
-                        )
+                        why = f"bad record, {resume - pos} bytes before the next intact one"
+                        if not self.skip_corrupt:
+                            raise LogCorrupt(seg, pos, why)
+                        skipped.append(f"{name}@{pos}")
+                        num_skipped_bytes += resume - pos
+                        log.warning("skipped corrupt bytes in event log", segment=str(seg),
+                                    offset=pos, num_bytes=resume - pos)  # fmt: skip
+                        pos = resume
+                        continue
                     torn_segments.append(f"{seg.name}@{pos}")
                     num_torn_bytes += len(buf) - pos
                     log.warning(
@@ -333,6 +348,8 @@ class LogReader:
             torn=bool(torn_segments),
             torn_segments=torn_segments,
             num_torn_bytes=num_torn_bytes,
+            skipped=skipped,
+            num_skipped_bytes=num_skipped_bytes,
         )
 
     def messages(self) -> Iterator[tuple[Envelope, Msg]]:

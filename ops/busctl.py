@@ -263,7 +263,7 @@ def _any_message():
 
 def _dump(args: argparse.Namespace) -> int:
     renderer, flt = _renderer(args), Filter(args.topic, args.request_id)
-    reader = LogReader(args.log)
+    reader = LogReader(args.log, skip_corrupt=args.skip_corrupt)
     for rec in reader.records():
         topic = rec.topic.decode("ascii", "replace")
         if not flt.wants_topic(topic):
@@ -315,7 +315,7 @@ def log_statistics(records: Iterator[Record]) -> dict[str, Any]:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    reader = LogReader(args.log)
+    reader = LogReader(args.log, skip_corrupt=args.skip_corrupt)
     stats = log_statistics(reader.records())
     st = reader.statistics()
     stats["log"] = msgspec.structs.asdict(st)
@@ -338,6 +338,8 @@ def _stats(args: argparse.Namespace) -> int:
         )
     torn = f"yes, {st.num_torn_bytes} bytes at {', '.join(st.torn_segments)}" if st.torn else "no"
     print(f"torn tail: {torn}")
+    if st.skipped:
+        print(f"skipped corrupt: {st.num_skipped_bytes} bytes at {', '.join(st.skipped)}")
     return 0
 
 
@@ -417,12 +419,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flush-ms", type=float, default=200.0, help="flush within this many ms")
     p.add_argument("--fsync", action="store_true", help="fsync each segment when it closes")
 
+    skip_help = "read past corruption in the middle, reporting it (default: stop, exit 2)"
     p = command("dump", "render a recorded log", _dump)
     p.add_argument("log", help="log directory or segment file")
+    p.add_argument("--skip-corrupt", action="store_true", help=skip_help)
     _view_options(p)
 
     p = command("stats", "messages and rates per topic, gaps per publisher", _stats)
     p.add_argument("log", help="log directory or segment file")
+    p.add_argument("--skip-corrupt", action="store_true", help=skip_help)
     p.add_argument("--json", action="store_true")
 
     p = command("replay", "replay an actor core against a log", _replay)

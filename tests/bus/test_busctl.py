@@ -303,3 +303,31 @@ def test_replay_a_real_registered_core_by_name(tmp_path):
     res = run("replay", str(tmp_path / "log"), "--actor", "cache")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "replay cache (publisher cache):" in res.stdout and ": identical" in res.stdout
+
+
+def test_skip_corrupt_in_dump_and_stats(tmp_path):
+    from shunter.bus.codec import encode
+    from shunter.bus.log import LogWriter
+    from shunter.bus.messages import Envelope
+
+    w = LogWriter(tmp_path)
+    for seq in range(5):
+        w.append(encode(Tick(now_ns=seq), Envelope("p", seq, seq, seq)), 0)
+    w.close()
+    seg = next(tmp_path.iterdir())
+    offsets = [r.offset for r in LogReader(tmp_path).records()]
+    data = bytearray(seg.read_bytes())
+    data[offsets[2] + 9] ^= 0xFF
+    seg.write_bytes(bytes(data))
+    res = run("dump", str(tmp_path))
+    assert res.returncode == 2 and f"corrupt record at offset {offsets[2]}" in res.stderr
+    res = run("dump", str(tmp_path), "--skip-corrupt")
+    assert res.returncode == 0 and len(res.stdout.splitlines()) == 4
+    assert "skipped corrupt bytes in event log" in res.stderr
+    res = run("stats", str(tmp_path), "--skip-corrupt")
+    assert (
+        f"skipped corrupt: {offsets[3] - offsets[2]} bytes at {seg.name}@{offsets[2]}" in res.stdout
+    )
+    stats = json.loads(run("stats", str(tmp_path), "--skip-corrupt", "--json").stdout)
+    assert (stats["publishers"]["p"]["gaps"], stats["publishers"]["p"]["lost"]) == (1, 1)
+    assert stats["log"]["skipped"] == [f"{seg.name}@{offsets[2]}"]

@@ -332,3 +332,21 @@ def test_any_flipped_byte_is_caught_where_it_lies(tmp_path_factory, pos, flip):
         with pytest.raises(LogCorrupt) as e:
             list(reader.records())
         assert e.value.offset == hit
+
+
+def test_skip_corrupt_reads_past_the_damage_and_reports_it(tmp_path):
+    pairs = traffic(60)
+    write(tmp_path, pairs)
+    (seg,) = list_segments(tmp_path)
+    offsets = [r.offset for r in LogReader(tmp_path).records()]
+    data = bytearray(seg.read_bytes())
+    data[offsets[10] + 9] ^= 0x55
+    data[offsets[30] + 9] ^= 0x55
+    seg.write_bytes(bytes(data))
+    reader = LogReader(tmp_path, skip_corrupt=True)
+    got = list(reader.messages())
+    assert got == pairs[:10] + pairs[11:30] + pairs[31:]
+    st = reader.statistics()
+    assert st.skipped == [f"{seg.name}@{offsets[10]}", f"{seg.name}@{offsets[30]}"]
+    assert st.num_skipped_bytes == offsets[11] - offsets[10] + offsets[31] - offsets[30]
+    assert not st.torn

@@ -48,6 +48,8 @@ def topic_bytes(msg_type: type[Msg]) -> bytes:
     """The first frame for messages of this type."""
     cached = _TOPIC_BYTES.get(msg_type)
     if cached is None:
+        if not (isinstance(msg_type, type) and issubclass(msg_type, Msg)):
+            raise TypeError(f"{msg_type!r} is not a bus message type")
         tag = topic_of(msg_type)
         if not isinstance(tag, str) or not tag:
             raise TypeError(f"{msg_type.__name__} is not a tagged bus message")

@@ -38,7 +38,7 @@ from typing import TypeVar
 import anyio
 import msgspec
 
-from shunter.bus.codec import _ENCODER, _TOPIC_BYTES, Decoder, Frames, encode, topic_bytes
+from shunter.bus.codec import _ENCODER, _TOPIC_BYTES, Decoder, Frames, topic_bytes
 from shunter.bus.messages import Envelope, Msg, topic_of
 from shunter.bus.subscription import (
     RawSubscription,
@@ -89,18 +89,25 @@ class Bus(abc.ABC):
         self._seq += 1
         return env
 
+    def encode(self, msg: Msg) -> Frames:
+        """Encode and stamp a message. The body is encoded before a seq is taken, so a
+        message that cannot be encoded raises without leaving a hole in the seqs."""
+        topic = _TOPIC_BYTES.get(type(msg)) or topic_bytes(type(msg))
+        body = _ENCODE(msg)
+        return Frames(topic, _ENCODE(self.stamp()), body)
+
     async def publish(self, msg: Msg) -> None:
         """Publish a message; waits while a subscriber's queue is full."""
         topic = topic_bytes(type(msg))
         await self._wait_room(topic)
-        self._send(encode(msg, self.stamp()))
+        self._send(self.encode(msg))
         self._num_published += 1
 
     def publish_nowait(self, msg: Msg) -> None:
         """Publish without waiting; raises anyio.WouldBlock if a subscriber is full."""
         if not self._has_room(topic_bytes(type(msg))):
             raise anyio.WouldBlock
-        self._send(encode(msg, self.stamp()))
+        self._send(self.encode(msg))
         self._num_published += 1
 
     async def publish_frames(self, frames: Frames) -> None:
@@ -117,7 +124,7 @@ class Bus(abc.ABC):
         """Publish a bus error event now, ignoring queue bounds (rare, must not block)."""
         if self._closed:
             return
-        self._send(encode(event, self.stamp()))
+        self._send(self.encode(event))
         self._num_events += 1
 
     # -- subscribing --------------------------------------------------------------------
@@ -186,9 +193,10 @@ class Bus(abc.ABC):
 
     async def wait_connected(self, timeout_s: float = 10.0) -> None:
         """Slow-joiner barrier: return once this bus's publisher and every subscription
-        opened so far are connected end to end. Raises TimeoutError."""
-        for sub in list(self._subs):
-            await sub.wait_connected(timeout_s)
+        opened so far are connected end to end. Raises TimeoutError after timeout_s."""
+        with anyio.fail_after(timeout_s):
+            for sub in list(self._subs):
+                await sub.wait_connected(timeout_s)
 
     async def aclose(self) -> None:
         """Close every subscription (their iterators end) and the transport."""
@@ -360,10 +368,11 @@ class InProcBus(Bus):
                 await self._wait_room(topic)
                 queues = self.hub.route(topic)
                 break
+        body = _ENCODE(msg)  # before taking a seq: a failed encode leaves no hole
         seq = self._seq
         self._seq = seq + 1
         env = Envelope(self.publisher_id, seq, _monotonic_ns(), _time_ns())
-        frames = Frames(topic, _ENCODE(env), _ENCODE(msg))
+        frames = Frames(topic, _ENCODE(env), body)
         for q in queues:
             q.items.append(frames)
             getter = q._getter

@@ -34,7 +34,7 @@ import anyio
 import msgspec
 import zmq
 
-from shunter.bus.codec import CONTROL_PREFIX, Frames, encode
+from shunter.bus.codec import CONTROL_PREFIX, Frames
 from shunter.bus.curve import CurveClient, apply_client, check_endpoint
 from shunter.bus.transport import DEFAULT_MAX_QUEUE, Bus, Source
 
@@ -231,7 +231,7 @@ class ZmqBus(Bus):
     async def publish(self, msg) -> None:  # the hot path, without the no-op room check
         if self._closed:
             raise anyio.ClosedResourceError(f"bus {self.publisher_id!r} is closed")
-        self._pub.send_multipart(encode(msg, self.stamp()))
+        self._pub.send_multipart(self.encode(msg))
         self._num_published += 1
 
     def _send_control(self, parts: list[bytes]) -> None:

@@ -263,6 +263,11 @@ async def test_bad_arguments_are_clear_errors(connector):
         a.subscribe(b"sched.")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         a.subscribe(types=(int,))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="not a bus message"):
+        await a.publish("hello")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        await a.publish(Heartbeat("a", object()))  # type: ignore[arg-type]  # unencodable
+    assert a.stamp().seq == 0  # the failed publishes took no seq: no false gap follows
     with pytest.raises(ValueError, match="timeout_s"):
         await a.request(Tick(0), reply=Tick, match=lambda m: True, timeout_s=0)
 

@@ -8,6 +8,12 @@
 - `shunter.bus.zmq_transport` / `shunter.bus.broker`: the ZMQ transport through an
   XSUB/XPUB broker (`ipc://` on one host, `tcp://` with CURVE across hosts).
 
+The two transports behave the same (encoded bytes on the wire, fresh objects on
+receive, typed decode failures and seq gaps reported as events, per-publisher order,
+nothing dropped) except under a slow subscriber: in-process, publishers wait for room
+in its bounded queue; over ZMQ, its backlog queues in memory (HWM 0), since ZMQ cannot
+push back on one subscriber without stalling every topic at the broker.
+
 `import shunter.bus` does not import zmq; the ZMQ names load on first use.
 """
 

@@ -5,7 +5,7 @@ hung actor, exit).
 Theory of operation
     `supervise()` owns one bus connection. It subscribes to the messages the core
     watches (Ready, Heartbeat, and the request lifecycle: GenerateRequest, TextDeltas,
-    RequestFailed), sends the core a Tick every `tick_interval_s`, turns SIGTERM/SIGINT
+    RequestFailed, AbortRequest), sends the core a Tick every `tick_interval_s`, turns SIGTERM/SIGINT
     into Terminate, and starts each actor through a `Launcher` when the core says so.
     A launcher returns an `ActorHandle`: an `EmbeddedActor` (a task in this event loop,
     for the single-process deployment) or a process handle (ops/launch.py, for
@@ -51,6 +51,7 @@ from shunter.actors.supervisor_core import (
     Tick,
 )
 from shunter.bus.messages import (
+    AbortRequest,
     GenerateRequest,
     Heartbeat,
     Ready,
@@ -61,7 +62,7 @@ from shunter.bus.transport import Bus
 
 log = structlog.get_logger("shunter.supervisor")
 
-WATCHED = (Ready, Heartbeat, GenerateRequest, TextDeltas, RequestFailed)
+WATCHED = (Ready, Heartbeat, GenerateRequest, TextDeltas, RequestFailed, AbortRequest)
 
 
 async def run_with_heartbeats(

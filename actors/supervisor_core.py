@@ -21,7 +21,8 @@ Theory of operation
 
     The core follows the request lifecycle on the bus (GenerateRequest opens a request;
     a final TextDelta or a RequestFailed ends it), which is what lets it fail in-flight
-    requests and know when a drain is done, whatever the gateway does.
+    requests and know when a drain is done, whatever the gateway does. An AbortRequest
+    also ends a request in this view: its client is gone, so a drain need not wait.
 
     Drain (SIGTERM): publish Shutdown, refuse every request that still arrives
     (RequestFailed "shutting_down" 503 and an AbortRequest so no actor keeps working
@@ -205,7 +206,9 @@ class SupervisorCore:
                     if d.finish_reason is not None:
                         self._in_flight.discard(d.request_id)
                 return self._maybe_drained()
-            case RequestFailed(request_id=rid):
+            case RequestFailed(request_id=rid) | AbortRequest(request_id=rid):
+                # An aborted request's client is gone (or its stop string matched): there
+                # is nobody left to drain it for.
                 self._in_flight.discard(rid)
                 return self._maybe_drained()
         return []

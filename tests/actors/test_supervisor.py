@@ -205,6 +205,16 @@ def test_drain_waits_for_in_flight_then_exits_0():
     assert core.statistics().num_refused_while_draining == 1
 
 
+def test_an_aborted_request_does_not_hold_the_drain():
+    core = _serving_core()
+    core.handle(_gen("r1"), 0)
+    core.handle(_gen("r2"), 0)
+    core.handle(Terminate("SIGTERM"), 0)
+    assert core.handle(AbortRequest("r1", reason="disconnect"), 1) == []
+    out = core.handle(RequestFailed("r2", "internal", "x"), 2)
+    assert out[-1] == Exit(0, "drained: no request in flight")
+
+
 def test_drain_is_bounded_by_the_shutdown_timeout():
     core = _serving_core(shutdown_s=2.0)
     core.handle(_gen("r1"), 0)

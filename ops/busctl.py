@@ -29,7 +29,7 @@ import msgspec
 import msgspec.inspect as mi
 
 from shunter.bus.log import LogCorrupt, LogDecodeError, LogReader, Record, decode_record
-from shunter.bus.messages import Envelope, Msg
+from shunter.bus.messages import AnyMessage, Envelope, Msg
 from shunter.bus.replay import as_named, get_core, import_registrations, render, replay
 
 _COLORS = {
@@ -192,7 +192,7 @@ async def _tail(args: argparse.Namespace) -> int:
     import anyio
 
     renderer, flt = _renderer(args), Filter(args.topic, args.request_id)
-    decoder = msgspec.msgpack.Decoder(_any_message())
+    decoder = msgspec.msgpack.Decoder(AnyMessage)
     bus = _connect(args, "tail")
     num_shown = 0
     async with bus:
@@ -250,12 +250,6 @@ async def _record(args: argparse.Namespace) -> int:
                     break
         tg.cancel_scope.cancel()
     return 0
-
-
-def _any_message():
-    from shunter.bus.messages import AnyMessage
-
-    return AnyMessage
 
 
 # --- log commands (dump, stats, replay) --------------------------------------------

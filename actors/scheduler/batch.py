@@ -15,14 +15,16 @@ from shunter.bus.messages import LAST_SAMPLED, ForwardBatch, RowOpen
 
 
 class InFlight:
-    """A sent batch awaiting its StepResult: (request, num_new, sample) per entry."""
+    """A sent batch awaiting its StepResult: (request, num_new, sample) per entry, and
+    the rows that sample, in order (what the result's rows must be)."""
 
-    __slots__ = ("entries", "num_sampling", "step_id")
+    __slots__ = ("entries", "num_sampling", "sampling_rows", "step_id")
 
-    def __init__(self, step_id: int, entries: list[tuple[Req, int, bool]]) -> None:
+    def __init__(self, step_id: int, batch: ForwardBatch, entries: list) -> None:
         self.step_id = step_id
         self.entries = entries
-        self.num_sampling = sum(1 for _, _, s in entries if s)
+        self.sampling_rows = [r for r, s in zip(batch.rows, batch.sample) if s]
+        self.num_sampling = len(self.sampling_rows)
 
 
 class BatchBuilder:
@@ -55,18 +57,31 @@ class BatchBuilder:
         self.sample.append(sample)
         self.entries.append((req, num_new, sample))
 
-    def add_decode(self, req: Req, new_page: int | None) -> None:
-        self.rows.append(req.row)
-        self.num_new_tokens.append(1)
-        self.start_pos.append(req.num_computed)
-        self.input_ids.append(LAST_SAMPLED)
-        if new_page is None:
-            self.num_new_pages.append(0)
-        else:
-            self.new_pages.append(new_page)
-            self.num_new_pages.append(1)
-        self.sample.append(True)
-        self.entries.append((req, 1, True))
+    def add_decodes(self, reqs: list[Req], pool_pages: list[int], page_size: int) -> int:
+        """One token for each request, from LAST_SAMPLED; a request whose next position
+        starts a page gets one from the end of pool_pages. Returns pages drawn."""
+        n = len(reqs)
+        starts = [r.num_computed for r in reqs]
+        self.rows += [r.row for r in reqs]
+        self.num_new_tokens += [1] * n
+        self.start_pos += starts
+        self.input_ids += [LAST_SAMPLED] * n
+        self.sample += [True] * n
+        self.entries += [(r, 1, True) for r in reqs]
+        new_pages = self.new_pages
+        counts = self.num_new_pages
+        drawn = 0
+        for r, start in zip(reqs, starts):
+            pages = r.pages
+            if start >= len(pages) * page_size:
+                page = pool_pages.pop()
+                pages.append(page)
+                new_pages.append(page)
+                counts.append(1)
+                drawn += 1
+            else:
+                counts.append(0)
+        return drawn
 
     def build(self, step_id: int, closes: list[int], version: int) -> ForwardBatch:
         return ForwardBatch(

@@ -57,7 +57,8 @@ from shunter.actors.scheduler.batch import InFlight
 from shunter.actors.scheduler.config import SchedulerConfig
 from shunter.actors.scheduler.policy import SplitMix64, WaitingOrder
 from shunter.actors.scheduler.pool import LeasePool
-from shunter.actors.scheduler.req import PARKED, RETRACTED, RUNNING, WAITING, Req, check_stop
+from shunter.actors.scheduler.req import PARKED, RETRACTED, RUNNING, WAITING, Req
+from shunter.actors.scheduler.results import apply_result
 from shunter.actors.scheduler.rows import RowAllocator
 from shunter.bus.messages import (
     AbortRequest,
@@ -165,7 +166,7 @@ class SchedulerCore:
         out: list[Msg] = []
         match msg:
             case StepResult():
-                self._on_result(msg, out)
+                apply_result(self, msg, out)
             case Matched():
                 self._on_matched(msg, out)
             case LeaseGranted():
@@ -340,65 +341,6 @@ class SchedulerCore:
         self._release(req, "aborted", out)
 
     # ---- results -------------------------------------------------------------------
-
-    def _on_result(self, res: StepResult, out: list[Msg]) -> None:
-        inf = self.in_flight
-        if inf is None or res.step_id != inf.step_id:
-            self._n["unexpected"] += 1
-            return
-        self.in_flight = None
-        self._boundary = True
-        error = res.error
-        if error is None and (len(res.rows) != inf.num_sampling or
-                              len(res.token_ids) != inf.num_sampling):  # fmt: skip
-            error = f"result has {len(res.rows)} rows, the batch sampled {inf.num_sampling}"
-        ask_top = len(res.top_logprobs) == len(res.rows)
-        k = 0
-        for req, num_new, sample in inf.entries:
-            req.num_computed += num_new
-            if sample:
-                k += 1
-            if req.abort_reason is not None:
-                reason = "finished" if req.abort_reason == "stop_string" else "aborted"
-                self._end_running(req, reason, out)
-                continue
-            if error is not None:
-                self._emit(req, [], finish=FinishReason.ERROR)
-                out.append(RequestFailed(req.request_id, "internal", error, 500))
-                self._n["failed"] += 1
-                self._end_running(req, "aborted", out)
-                continue
-            prompt_lp = res.prompt_logprobs.get(req.row, [])
-            if not sample:
-                self._n["prefill_tokens"] += num_new
-                self._cache_chunk(req, out)
-                if prompt_lp:
-                    self._emit(req, [], prompt_logprobs=prompt_lp)
-                continue
-            i = k - 1
-            if res.rows[i] != req.row:
-                self._n["unexpected"] += 1
-            token = res.token_ids[i]
-            req.row_sampled = True
-            if num_new > 1 or req.num_output == 0:
-                self._n["prefill_tokens"] += num_new
-            req.all_ids.append(token)
-            self._n["generated"] += 1
-            self._gen_since_stats += 1
-            sp = req.sampling
-            lps = [res.logprobs[i]] if sp.return_logprob and i < len(res.logprobs) else []
-            top = [res.top_logprobs[i]] if ask_top and sp.top_logprobs_num > 0 else []
-            stop = check_stop(req, token, self.config.max_context_len)
-            if stop is None:
-                self._emit(req, [token], lps, top, prompt_lp)
-            else:
-                self._emit(req, [token], lps, top, prompt_lp, finish=stop[0], matched=stop[1])
-                self._n["finished"] += 1
-                self._end_running(req, "finished", out)
-        self.new_token_ratio = max(
-            self.config.min_new_token_ratio,
-            self.new_token_ratio - self.config.new_token_ratio_decay,
-        )
 
     def _cache_chunk(self, req: Req, out: list[Msg]) -> None:
         """A non-final prefill chunk is computed: hand its page-aligned part to the tree."""

@@ -30,10 +30,14 @@ def plan_step(core: SchedulerCore, out: list[Msg]) -> ForwardBatch | None:
 
     decodes: list[Req] = []
     prefilling: list[Req] = []
+    need = 0  # a decode at position p needs a new page when p starts one
     for r in core.running.values():
-        (prefilling if r.prefilling else decodes).append(r)
-    # A decode at position p needs a new page when p starts one.
-    need = sum(1 for r in decodes if r.num_computed >= len(r.pages) * ps)
+        if r.row_sampled:
+            decodes.append(r)
+            if r.num_computed >= len(r.pages) * ps:
+                need += 1
+        else:
+            prefilling.append(r)
     if need > len(pool):
         if pool.outstanding is not None:
             return None  # the grant is on its way
@@ -78,20 +82,14 @@ def plan_step(core: SchedulerCore, out: list[Msg]) -> ForwardBatch | None:
     ):
         _admit(core, builder, out, prefill_left, chunk_left, pages_left)
 
-    for r in decodes:
-        page = None
-        if r.num_computed >= len(r.pages) * ps:
-            page = pool.take_one()
-            r.pages.append(page)
-            core.num_held += 1
-        builder.add_decode(r, page)
+    core.num_held += builder.add_decodes(decodes, pool.pages, ps)
 
     _keep_lease(core, out, builder)
     if not len(builder):
         return None
     core.step_id += 1
     batch = builder.build(core.step_id, core.rows.take_closes(), core.version)
-    core.in_flight = InFlight(core.step_id, builder.entries)
+    core.in_flight = InFlight(core.step_id, batch, builder.entries)
     return batch
 
 

@@ -50,7 +50,7 @@ class Req:
         "state",
         "stop_ids",
         "stream",
-        "tree_version",
+        "tree_version", "wants_extras",
     )  # fmt: skip
 
     def __init__(
@@ -83,6 +83,11 @@ class Req:
         self.awaiting_match = False  # a RefreshMatch or retraction is unanswered
         self.refresh_version = -1  # tree version estimate when last refreshed
         self.num_retractions = 0
+        sp = r.sampling
+        # outputs that need more than the token (logprobs): the slow path in results.py
+        self.wants_extras = (
+            sp.return_logprob or sp.top_logprobs_num > 0 or sp.logprob_start_len >= 0
+        )
         stop = set(r.sampling.stop_token_ids)
         eos = set(eos_token_ids)
         self.stop_ids = frozenset(stop - eos if r.sampling.ignore_eos else stop | eos)

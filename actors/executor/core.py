@@ -65,7 +65,8 @@ class ExecutorStats(msgspec.Struct, frozen=True):
 
 
 class _Row:
-    __slots__ = ("has_sampled", "num_pages", "num_tokens", "pending", "prompt_lp", "sampling")
+    __slots__ = ("has_sampled", "num_pages", "num_resumed", "num_tokens", "pending", "prompt_lp",
+                 "resume_ids", "sampling")  # fmt: skip
 
     def __init__(self, num_tokens: int, num_pages: int, sampling: RowSampling) -> None:
         self.num_tokens = num_tokens  # tokens with KV
@@ -76,6 +77,10 @@ class _Row:
         # [V] float32 logprobs at the last computed prompt position, kept between prefill
         # chunks for rows that want prompt logprobs (they score the next chunk's first token).
         self.prompt_lp: torch.Tensor | None = None
+        # A resumed request: its ids before the first sample, to find its earlier outputs
+        # (the last RowOpen.num_output_tokens of them) when it samples again.
+        self.resume_ids: list[int] | None = None
+        self.num_resumed = 0
 
 
 class _Entry(msgspec.Struct):
@@ -205,6 +210,8 @@ class ExecutorCore:
                 min(o.prefix_pages) < 0 or max(o.prefix_pages) >= self.num_pages
             ):
                 raise StepFailed(f"row {o.row_idx}: a prefix page is outside [0, {self.num_pages})")
+            if o.num_output_tokens < 0:
+                raise StepFailed(f"row {o.row_idx}: num_output_tokens {o.num_output_tokens} < 0")
             if len(o.prefix_token_ids) > o.num_prefix_tokens:
                 raise StepFailed(f"row {o.row_idx}: more prefix token ids than prefix tokens")
             if (why := validate_params(o.sampling, self.vocab_size)) is not None:
@@ -351,6 +358,9 @@ class ExecutorCore:
             row = opened[o.row_idx]
             self._rows[o.row_idx] = row
             row.sampling.observe_prompt(o.prefix_token_ids)
+            if o.num_output_tokens:
+                row.resume_ids = list(o.prefix_token_ids)
+                row.num_resumed = o.num_output_tokens
         for e, k in zip(entries, b.num_new_pages):
             row = self._rows[e.row_idx]
             e.row = row
@@ -360,6 +370,8 @@ class ExecutorCore:
                 # The pending sample was observed as output when it was drawn.
                 row.sampling.observe_prompt(e.ids[1:] if row.pending is not None else e.ids)
             row.pending = None
+            if row.resume_ids is not None:
+                row.resume_ids += e.ids
         self._num_tokens += len(b.input_ids)
 
     # ---- 5. sample ------------------------------------------------------------------
@@ -384,6 +396,10 @@ class ExecutorCore:
         if not sample_rows:
             return StepResult(b.step_id, [], [], prompt_logprobs=prompt_logprobs)
         rows = [self._rows[r] for r in sample_rows]
+        for row in rows:
+            if row.resume_ids is not None:  # first sample of a resumed request
+                row.sampling.resume(row.resume_ids[len(row.resume_ids) - row.num_resumed :])
+                row.resume_ids = None
         picked = (
             logits
             if len(sample_logit_idx) == logits.shape[0]

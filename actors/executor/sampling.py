@@ -120,6 +120,16 @@ class RowSampling:
         if self.params.frequency_penalty != 0.0 or self.params.presence_penalty != 0.0:
             self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
 
+    def resume(self, output_ids: Sequence[int]) -> None:
+        """Take output_ids as this row's earlier outputs (a request resumed after a
+        retraction): count them, and skip the one draw each of them took, so the
+        generator continues where the first run of the request left it."""
+        for t in output_ids:
+            self.observe_output(t)
+        if self.generator is not None:
+            for _ in output_ids:
+                torch.rand(1, generator=self.generator)
+
 
 class SampleOutput(NamedTuple):
     token_ids: list[int]  # one per row

@@ -31,6 +31,11 @@ class RowOpen(msgspec.Struct, frozen=True, array_like=True, gc=False):
     sampling: SamplingParams
     seed: int  # resolved per-request seed
     prefix_token_ids: list[int] = []  # cached prompt tokens (for penalties / logprobs)
+    # A resumed request (after a retraction): how many of the row's tokens before its
+    # first sample (prefix + prefill inputs) are its own earlier outputs. The executor
+    # counts them as outputs (penalties, min_new_tokens) and skips that many draws of
+    # the row's generator, so a seeded request continues its random stream unchanged.
+    num_output_tokens: int = 0
 
 
 class ForwardBatch(Msg, tag="sched.batch"):

@@ -251,3 +251,18 @@ def test_malformed_batches_fail_the_step_and_change_nothing(model):
     assert res.error is None and res.rows == [0]
     assert core.statistics().num_unknown_closes == 1
     assert core.open_rows() == {0: (1, 1), 6: (0, 0)}
+
+
+def test_resumed_request_continues_its_seeded_stream(model):
+    """A retracted request comes back as a new row whose prompt holds its earlier
+    outputs (RowOpen.num_output_tokens): penalties, min_new_tokens and the generator
+    pick up where the first run was, so the same tokens follow."""
+    ids = PROMPTS["tips"]["input_ids"]
+    sp = SamplingParams(temperature=0.8, frequency_penalty=0.4, min_new_tokens=8)
+    drv = Driver(make_core(model))
+    first = generate(drv, [(0, ids)], 6, sp, seeds=[2024])[0]
+    resumed = RowOpen(4, "req-0", [], 0, sp, 2024, [], num_output_tokens=3)
+    res = drv.step([(4, ids + first[:3])], opens=[resumed], closes=[0])
+    out = res.token_ids + drv.step([(4, [LAST_SAMPLED])]).token_ids
+    out += drv.step([(4, [LAST_SAMPLED])]).token_ids
+    assert out == first[3:]

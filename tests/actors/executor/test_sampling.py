@@ -251,3 +251,17 @@ def test_validate_params_rejects_bad_values(kw, needle):
     err = validate_params(SamplingParams(**kw), V)
     assert err is not None and needle in err
     assert validate_params(SamplingParams(), V) is None
+
+
+def test_resume_continues_the_random_stream_and_counts():
+    g = torch.Generator().manual_seed(9)
+    steps = [torch.randn(1, V, generator=g) for _ in range(6)]
+    params = dict(temperature=1.0, frequency_penalty=0.7, min_new_tokens=5)
+    first = _run([_row(seed=77, eos=(1,), **params)], steps)[0]
+    resumed = _row(seed=77, eos=(1,), **params)
+    resumed.resume(first[:3])
+    assert resumed.num_output_tokens == 3
+    assert sum(resumed.output_counts.values()) == 3
+    assert _run([resumed], steps[3:])[0] == first[3:]
+    fresh = _row(seed=77, eos=(1,), **params)  # same seed, no resume: the stream restarts
+    assert _run([fresh], steps[:3])[0] == first[:3]

@@ -17,6 +17,7 @@ from shunter.gateway.errors import APIError, bad_request
 
 T = TypeVar("T")
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
+_MISSING = re.compile(r"missing required field `([^`]*)`")
 
 
 def decode_body(body: bytes, schema: type[T]) -> T:
@@ -28,6 +29,9 @@ def decode_body(body: bytes, schema: type[T]) -> T:
     except msgspec.ValidationError as e:
         m = _PATH.search(str(e))
         param = m.group(1) if m and m.group(1) else None
+        missing = _MISSING.search(str(e))
+        if missing:
+            param = f"{param}.{missing.group(1)}" if param else missing.group(1)
         raise bad_request(f"invalid request: {e}", param=param) from None
     except msgspec.DecodeError as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None

@@ -207,7 +207,7 @@ def codec():
 def _stack(codec, **overrides):
     cfg = GatewayConfig(
         served_model_name="smollm2", max_context_len=CONTEXT_LEN, enable_metrics=True,
-        health_timeout_s=0.5, model_path="/models/smollm2.gguf", **overrides,
+        health_timeout_s=1.5, model_path="/models/smollm2.gguf", **overrides,
     )  # fmt: skip
     return Stack(codec, cfg).start()
 

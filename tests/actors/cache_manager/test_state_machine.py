@@ -471,14 +471,21 @@ TestCacheMachineNoRadix.settings = settings(QUICK, max_examples=15)
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("machine", [CacheMachine, CacheMachinePaged])
-def test_fuzz_100k_steps(machine):
-    """Seeded (derandomized) long run: 100 runs x 500 steps per page size."""
+def test_fuzz_100k_steps():
+    """Seeded (derandomized) long run over both page sizes: at least 100k steps in all."""
     from hypothesis.stateful import run_state_machine_as_test
 
-    run_state_machine_as_test(
-        machine,
-        settings=settings(max_examples=100, stateful_step_count=500, deadline=None,
-                          derandomize=True, database=None,
-                          suppress_health_check=list(HealthCheck)),
-    )  # fmt: skip
+    num_steps = [0]
+
+    def counted(machine):
+        class Counted(machine):
+            def teardown(self):
+                num_steps[0] += self.step
+
+        return Counted
+
+    long = settings(max_examples=140, stateful_step_count=500, deadline=None,
+                    derandomize=True, database=None, suppress_health_check=list(HealthCheck))  # fmt: skip
+    for machine in (CacheMachine, CacheMachinePaged):
+        run_state_machine_as_test(counted(machine), settings=long)
+    assert num_steps[0] >= 100_000, num_steps[0]

@@ -3,7 +3,9 @@ refused frees, drops, KV events, config."""
 
 from __future__ import annotations
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import given, settings
 
 from shunter.actors.cache_manager.allocator import ASIDE, TREE
 from shunter.actors.cache_manager.config import CacheConfig
@@ -305,3 +307,46 @@ def test_config_validation_and_info_round_trip():
     assert cfg.num_tokens == 1600
     with pytest.raises(ValueError, match="num_pages"):
         CacheConfig.from_info({"page_size": 1})
+
+
+_ids = st.sampled_from(["a", "b", "c"])
+_toks = st.lists(st.integers(0, 4), max_size=12)
+_pages = st.lists(st.integers(-1, 16), max_size=8)
+_any_inbox = st.one_of(
+    st.builds(Tokenized, _ids, _toks, st.just(SP), extra_key=st.sampled_from(["", "x"])),
+    st.builds(RefreshMatch, _ids),
+    st.builds(LeaseRequest, st.integers(0, 50), st.integers(-2, 20)),
+    st.builds(LeaseReturned, _pages),
+    st.builds(ChunkCached, _ids, _toks, _pages),
+    st.builds(
+        SequenceReleased, _ids, _toks, _pages, st.sampled_from(["finished", "aborted", "retracted"])
+    ),
+    st.builds(
+        SchedulerCensus, st.integers(0, 9), st.integers(0, 50), st.integers(0, 9), st.integers(0, 9)
+    ),
+    st.builds(DropTree, st.just("f"), st.booleans()),
+    st.builds(SpillPages, st.integers(0, 2), st.just([]), st.just([]), st.just([])),
+    st.builds(PagesSpilled, st.integers(0, 2), st.just([])),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_any_inbox, max_size=40), st.sampled_from([1, 2]))
+def test_any_message_sequence_keeps_the_books_whole(msgs, page_size):
+    """Garbage in (wrong pages, unknown ids, double releases): never an exception, and
+    the ledger, the tree and the locks stay consistent with each other."""
+    core = make(num_pages=16, page_size=page_size)
+    for msg in msgs:
+        core.handle(msg)
+        core.ledger.check()
+        tree_pages = core.tree.all_pages()
+        assert len(tree_pages) == len(set(tree_pages)) == core.tree.num_pages
+        assert set(tree_pages) == set(core.ledger.pages_owned_by(TREE))
+        assert set(core._aside_owner) == set(core.ledger.pages_owned_by(ASIDE))
+        locks: dict[int, int] = {}
+        for req in core.requests.values():
+            n = req.node
+            while n is not None and n.parent is not None:
+                locks[n.node_id] = locks.get(n.node_id, 0) + 1
+                n = n.parent
+        assert all(n.lock_ref == locks.get(n.node_id, 0) for n in core.tree.nodes())

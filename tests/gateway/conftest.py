@@ -5,7 +5,8 @@ The scripted engine is an honest stand-in for components that are tested elsewhe
 answers each Tokenized with a fixed reply (REPLY, then eos), one token per step for all
 running requests together, honours max_new_tokens, stop token ids, aborts (final output
 with finish_reason "abort"), logprob requests, HealthPing and DropTree. The prompt picks
-special behaviour: "SLOW" steps every 50 ms and never ends on its own.
+special behaviour: "SLOW" steps every 50 ms and never ends on its own; "MUTE" is
+accepted and never answered.
 
 The stack runs in its own thread with its own event loop (as a server does); tests talk
 to it over real HTTP with the `openai` client, `requests` and raw sockets.
@@ -71,7 +72,10 @@ class ScriptedEngine:
                 key = tuple(msg.input_ids)
                 cached = len(key) - 1 if key in self.prompts_seen else 0
                 self.prompts_seen.add(key)
-                slow = "SLOW" in self.codec.decode(msg.input_ids)
+                prompt = self.codec.decode(msg.input_ids)
+                if "MUTE" in prompt:  # accepted, never answered: a stuck engine
+                    return
+                slow = "SLOW" in prompt
                 self.running[msg.request_id] = {
                     "req": msg, "pos": 0, "cached": cached, "slow": slow
                 }  # fmt: skip

@@ -95,3 +95,49 @@ def test_actor_died_fails_in_flight_requests_and_health(stack_factory):
     assert requests.get(s.url + "/health", timeout=5).status_code == 503
     r = requests.post(s.url + "/v1/chat/completions", json=CHAT, timeout=5)
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+
+
+def test_silent_engine_times_out_with_504_and_abort(stack_factory):
+    s = stack_factory(request_timeout_s=0.3)
+    body = {**CHAT, "messages": [{"role": "user", "content": "MUTE"}], "rid": "mute-1"}
+    t0 = time.monotonic()
+    r = requests.post(s.url + "/v1/chat/completions", json=body, timeout=10)
+    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+    assert time.monotonic() - t0 < 5
+    deadline = time.monotonic() + 5
+    while not s.engine.aborts and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert [a.request_id for a in s.engine.aborts] == ["mute-1"]
+
+
+def test_non_streaming_disconnect_aborts(stack_factory):
+    import socket
+
+    s = stack_factory()
+    body = json.dumps({**CHAT, "messages": [{"role": "user", "content": "SLOW"}],
+                       "max_tokens": 400, "rid": "quiet-1"}).encode()  # fmt: skip
+    sock = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
+    deadline = time.monotonic() + 5
+    while "quiet-1" not in s.engine.running and time.monotonic() < deadline:
+        time.sleep(0.02)
+    sock.close()
+    while not s.engine.aborts and time.monotonic() < deadline + 5:
+        time.sleep(0.02)
+    assert [(a.request_id, a.reason) for a in s.engine.aborts] == [("quiet-1", "disconnect")]
+
+
+def test_shutdown_refuses_new_requests(stack_factory):
+    from shunter.bus.messages import Shutdown
+
+    s = stack_factory()
+    assert requests.post(s.url + "/v1/chat/completions", json=CHAT, timeout=10).status_code == 200
+    s.publish(Shutdown("SIGTERM", 5.0))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        r = requests.post(s.url + "/v1/chat/completions", json=CHAT, timeout=10)
+        if r.status_code != 200:
+            break
+        time.sleep(0.02)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"

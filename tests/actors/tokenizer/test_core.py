@@ -202,3 +202,43 @@ def test_tokenize_and_detokenize_queries(codec, core):
     assert isinstance(r, DetokenizeReply) and "<|im_start|>user\nhi<|im_end|>" in r.text
     (r,) = core.handle(DetokenizeQuery("q4", [10**6]))
     assert "outside the vocabulary" in r.error
+
+
+def test_chat_template_override_as_text_and_file(codec, tmp_path):
+    from shunter.actors.tokenizer.chat import ChatTemplateError, resolve_chat_template
+    from shunter.actors.tokenizer.loading import TextCodec
+
+    tmpl = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{{ eos_token }}"
+    f = tmp_path / "t.jinja"
+    f.write_text(tmpl)
+    assert resolve_chat_template(tmpl, "model's") == tmpl
+    assert resolve_chat_template(str(f), "model's") == tmpl
+    assert resolve_chat_template(None, "model's") == "model's"
+    with pytest.raises(ChatTemplateError, match="neither a readable file"):
+        resolve_chat_template("/no/such/file", None)
+    custom = TextCodec(
+        codec.tk, eos_token_ids=[2], context_len=512, chat_template=tmpl,
+        special_tokens=codec.special_tokens,
+    )  # fmt: skip
+    text = custom.render_chat([ChatMessage("user", "hi")], add_generation_prompt=True)
+    assert text == "[user]hi<|im_end|>"
+    (t,) = TokenizerCore(custom, TokenizerConfig()).handle(
+        _gen("c", messages=[ChatMessage("user", "hi")])
+    )
+    assert t.input_ids == codec.encode(text, add_special_tokens=False)
+
+
+def test_template_that_refuses_input_is_a_400(codec):
+    from shunter.actors.tokenizer.loading import TextCodec
+
+    tmpl = "{% if messages[0].role != 'system' %}{{ raise_exception('system first') }}{% endif %}x"
+    strict = TextCodec(codec.tk, eos_token_ids=[2], context_len=512, chat_template=tmpl)
+    (f,) = TokenizerCore(strict, TokenizerConfig()).handle(
+        _gen("c", messages=[ChatMessage("user", "hi")])
+    )
+    assert isinstance(f, RequestFailed) and "system first" in f.message
+    none = TextCodec(codec.tk, eos_token_ids=[2], context_len=512, chat_template=None)
+    (f,) = TokenizerCore(none, TokenizerConfig()).handle(
+        _gen("c", messages=[ChatMessage("user", "hi")])
+    )
+    assert isinstance(f, RequestFailed) and "no chat template" in f.message

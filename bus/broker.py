@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             args.frontend, args.backend, curve=curve, allow_insecure_tcp=args.allow_insecure_tcp
         )
         broker.start()
-    except (ValueError, RuntimeError, zmq.ZMQError) as e:
+    except (ValueError, RuntimeError, OSError, zmq.ZMQError) as e:
         print(f"broker: {e}", file=sys.stderr)
         return 2
     stop = threading.Event()

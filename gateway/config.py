@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 
@@ -56,7 +58,7 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     actor_id: str = "gateway"
 
-    server_info: dict[str, str | int | float | bool | None] = {}
+    server_info: dict[str, Any] = {}
     """Server arguments and facts reported as they are by /get_server_info."""
 
     def __post_init__(self) -> None:

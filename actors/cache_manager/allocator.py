@@ -20,12 +20,14 @@ Theory of operation
 Invariants
     - owner[p] == FREE  <=>  p in the free set.
     - counts[o] == number of pages whose owner is o; sum(counts) == num_pages.
+    - aside_owner's keys are exactly the ASIDE pages (the core keeps it in step).
 """
 
 from __future__ import annotations
 
 FREE, OUT, TREE, ASIDE = 0, 1, 2, 3
 OWNER_NAMES = ("free", "leased", "tree", "aside")
+_WHY = {FREE: "already free", TREE: "owned by the prefix tree", ASIDE: "kept aside for"}
 
 
 class LedgerError(RuntimeError):
@@ -41,6 +43,7 @@ class PageLedger:
         # popitem() is LIFO: fill high to low so a fresh pool hands out page 0 first.
         self._free: dict[int, None] = dict.fromkeys(range(num_pages - 1, -1, -1))
         self.counts = [num_pages, 0, 0, 0]
+        self.aside_owner: dict[int, str] = {}  # ASIDE page -> the request it is kept for
 
     @property
     def num_free(self) -> int:
@@ -87,6 +90,43 @@ class PageLedger:
             free[p] = None
         counts[FREE] += len(pages)
 
+    def refusals(
+        self, pages: list[int], rid: str | None, tree_pages: list[int]
+    ) -> list[tuple[int, str]]:
+        """(page, why) for each page of pages the sender may not hand back: it must be
+        OUT, kept aside for request rid, or tree_pages[i] itself at its position i."""
+        owner, num = self.owner, self.num_pages
+        k = min(len(tree_pages), len(pages))
+        rest = pages[k:]
+        if pages[:k] == tree_pages[:k] and (  # fast path: the tree's prefix, then leased
+            not rest
+            or (
+                min(rest) >= 0
+                and max(rest) < num
+                and bytes(map(owner.__getitem__, rest)).count(OUT) == len(rest)
+                and len(set(rest)) == len(rest)
+            )
+        ):
+            return []
+        bad: list[tuple[int, str]] = []
+        seen: set[int] = set()
+        for i, p in enumerate(pages):
+            if not 0 <= p < num:
+                bad.append((p, "no such page"))
+                continue
+            if p in seen:
+                bad.append((p, "listed twice"))
+                continue
+            seen.add(p)
+            o = owner[p]
+            if o == OUT or (o == ASIDE and self.aside_owner[p] == rid):
+                continue
+            if o == TREE and i < len(tree_pages) and tree_pages[i] == p:
+                continue
+            why = _WHY[o] + (f" request {self.aside_owner[p]}" if o == ASIDE else "")
+            bad.append((p, why))
+        return bad
+
     def pages_owned_by(self, who: int) -> list[int]:
         """Enumerate the pages of one owner (O(num_pages); for checks and tests)."""
         if who == FREE:
@@ -102,3 +142,7 @@ class PageLedger:
                 raise LedgerError(f"page {p}: owner {OWNER_NAMES[o]} but free-set says otherwise")
         if counts != self.counts or len(self._free) != counts[FREE]:
             raise LedgerError(f"counts {self.counts} != recount {counts}")
+        if len(self.aside_owner) != counts[ASIDE] or any(
+            self.owner[p] != ASIDE for p in self.aside_owner
+        ):
+            raise LedgerError("aside_owner does not list exactly the ASIDE pages")

@@ -79,8 +79,6 @@ Inbox = (
 )  # fmt: skip
 INBOX_TYPES: tuple[type[Msg], ...] = Inbox.__args__  # type: ignore[attr-defined]
 
-_WHY = {FREE: "already free", TREE: "owned by the prefix tree", ASIDE: "kept aside for"}
-
 
 class CacheStatistics(msgspec.Struct, frozen=True, kw_only=True):
     num_pages: int
@@ -125,7 +123,7 @@ class CacheManagerCore:
         self.ledger = PageLedger(config.num_pages)
         self.tree = RadixTree(config.page_size, hash_blocks=config.emit_kv_events)
         self.requests: dict[str, _Request] = {}
-        self._aside_owner: dict[int, str] = {}
+        self._aside_owner = self.ledger.aside_owner
         self._leases_in_flight: dict[int, int] = {}  # lease_seq -> pages granted
         self._copies_in_flight: set[int] = set()
         self._clock = 0
@@ -147,7 +145,7 @@ class CacheManagerCore:
             case LeaseRequest():
                 return self._on_lease(msg)
             case LeaseReturned(pages=pages):
-                bad = self._bad_pages(pages, None, [])
+                bad = self.ledger.refusals(pages, None, [])
                 if bad:
                     return [self._refuse(bad, "scheduler lease")]
                 self.ledger.free(pages)
@@ -218,41 +216,6 @@ class CacheManagerCore:
 
     # -- pages coming back --------------------------------------------------------
 
-    def _bad_pages(self, pages: list[int], rid: str | None, tree_pages: list[int]) -> list:
-        """(page, why) for each page of pages the sender may not hand back: it must be
-        OUT, kept aside for request rid, or tree_pages[i] itself at its position i."""
-        owner, num = self.ledger.owner, self.ledger.num_pages
-        k = min(len(tree_pages), len(pages))
-        rest = pages[k:]
-        if pages[:k] == tree_pages[:k] and (  # fast path: the tree's prefix, then leased
-            not rest
-            or (
-                min(rest) >= 0
-                and max(rest) < num
-                and bytes(map(owner.__getitem__, rest)).count(OUT) == len(rest)
-                and len(set(rest)) == len(rest)
-            )
-        ):
-            return []
-        bad: list[tuple[int, str]] = []
-        seen: set[int] = set()
-        for i, p in enumerate(pages):
-            if not 0 <= p < num:
-                bad.append((p, "no such page"))
-                continue
-            if p in seen:
-                bad.append((p, "listed twice"))
-                continue
-            seen.add(p)
-            o = owner[p]
-            if o == OUT or (o == ASIDE and self._aside_owner[p] == rid):
-                continue
-            if o == TREE and i < len(tree_pages) and tree_pages[i] == p:
-                continue
-            why = _WHY[o] + (f" request {self._aside_owner[p]}" if o == ASIDE else "")
-            bad.append((p, why))
-        return bad
-
     def _refuse(self, bad: list[tuple[int, str]], claimed_by: str) -> FreeRefused:
         self._num_refused += 1
         groups: dict[str, list[int]] = {}
@@ -322,7 +285,7 @@ class CacheManagerCore:
         head = msg.pages[:n_full]
         if req.reclaimed:
             head = [p for p in head if p not in req.reclaimed]
-        bad = self._bad_pages(head, msg.request_id, self._tree_pages(req, tokens))
+        bad = self.ledger.refusals(head, msg.request_id, self._tree_pages(req, tokens))
         if bad:
             return [self._refuse(bad, f"request {msg.request_id}")]
         if self.config.disable_radix_cache or req.reclaimed:
@@ -344,7 +307,7 @@ class CacheManagerCore:
         n_full = min(len(msg.token_ids) // self.page_size, len(msg.pages))
         tokens = msg.token_ids[: n_full * self.page_size]
         pages = [p for p in msg.pages if p not in req.reclaimed] if req.reclaimed else msg.pages
-        bad = self._bad_pages(pages, rid, self._tree_pages(req, tokens))
+        bad = self.ledger.refusals(pages, rid, self._tree_pages(req, tokens))
         if bad:
             return [self._refuse(bad, f"request {rid}")]
         out: list[Msg] = []

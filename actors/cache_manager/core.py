@@ -31,6 +31,10 @@ Theory of operation
     ("reclaimed") and never free them later; TreeDropped.tree_version tells the
     scheduler that every earlier match is stale (it refreshes before admission).
 
+    AbortRequest is not in the inbox: the scheduler ends every request it was sent a
+    Matched for with a SequenceReleased (bus/messages/cache.py says why), so an abort
+    reaches the cache manager in the one order that is safe.
+
     Time is `_clock`, advanced once per handled message; no clock, environment or
     randomness is read, so a recorded inbox replays to the same outbox.
 
@@ -210,7 +214,8 @@ class CacheManagerCore:
             if self.config.emit_kv_events and blocks:
                 out.append(BlockRemoved([h for b in blocks for h in b.hashes]))
         pages = self.ledger.take(max(msg.num_pages, 0))
-        self._leases_in_flight[msg.lease_seq] = len(pages)
+        flights = self._leases_in_flight
+        flights[msg.lease_seq] = flights.get(msg.lease_seq, 0) + len(pages)
         out.append(LeaseGranted(msg.lease_seq, pages, num_evicted))
         return out
 

@@ -7,7 +7,8 @@ import pytest
 
 from shunter.actors.cache_manager.actor import INBOX_TOPICS, run
 from shunter.actors.cache_manager.config import CacheConfig
-from shunter.bus.log import record
+from shunter.bus.codec import encode
+from shunter.bus.log import LogReader, LogWriter, record
 from shunter.bus.messages import (
     AllBlocksCleared,
     BlockStored,
@@ -77,6 +78,7 @@ async def _drive(tmp_path):
             await driver.publish(DropTree("flip-1"))
             cleared, dropped = await expect(2)
             stats = core.statistics()
+            await anyio.sleep(0.1)  # the recorder's queue drains
         tg.cancel_scope.cancel()
     assert isinstance(ready, Ready) and ready.actor == "cache"
     assert CacheConfig.from_info(ready.info) == cfg
@@ -109,3 +111,18 @@ def test_inbox_topics_do_not_catch_other_outputs():
             "cache.error.free", "cache.kv.stored", "cache.kv.removed", "cache.kv.cleared"]  # fmt: skip
     for topic in outs:
         assert not topic.startswith(INBOX_TOPICS), topic
+
+
+async def test_replay_catches_a_core_built_differently(tmp_path):
+    """The same inbox against a core with one page less diverges at the first Census."""
+    await _drive(tmp_path / "orig")
+    w = LogWriter(tmp_path / "edited")
+    for k, (env, msg) in enumerate(LogReader(tmp_path / "orig").messages()):
+        if isinstance(msg, Ready) and env.publisher_id == "cache":
+            msg = Ready(msg.actor, msg.actor_id, {**msg.info, "num_pages": 7})
+        w.append(encode(msg, env), k)
+    w.close()
+    result = replay(tmp_path / "edited", "cache")
+    d = result.divergence
+    assert d is not None and d.index == 4  # Matched, LeaseGranted, BlockStored, FreeRefused
+    assert "Census" in d.expected and "free=3" in d.expected.replace(" ", "")

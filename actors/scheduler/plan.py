@@ -216,7 +216,7 @@ def _open(core: SchedulerCore, builder: BatchBuilder, r: Req) -> None:
     core.running[r.request_id] = r
     builder.opens.append(
         RowOpen(row, r.request_id, list(r.pages), r.num_cached, r.sampling, r.seed,
-                r.all_ids[: r.num_cached])
+                r.all_ids[: r.num_cached], r.num_output)
     )  # fmt: skip
     if r.num_retractions == 0:
         r.num_cached_reported = r.num_cached

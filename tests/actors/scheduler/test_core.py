@@ -387,6 +387,7 @@ def test_retraction_under_kv_pressure_frees_and_requeues():
     reopen = f.batch(out)
     (o,) = reopen.opens
     assert o.request_id == "new" and o.num_prefix_tokens == 16 and o.prefix_pages[0] == 900
+    assert o.num_output_tokens == 3  # its outputs so far, for penalties and its seed stream
     i = reopen.rows.index(o.row_idx)
     assert reopen.start_pos[i] == 16 and reopen.num_new_tokens[i] == 3
     assert reopen.input_ids[:3] == [7, 7, 7] and reopen.sample[i]

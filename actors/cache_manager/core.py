@@ -299,9 +299,13 @@ class CacheManagerCore:
         out: list[Msg] = []
         node, dups = self._insert(req, tokens, head, out)
         self._put_aside(req, dups)
-        self.tree.lock(node)
-        self._unlock(req)
-        req.node = node
+        above = req.node
+        while above is not None and above is not node:
+            above = above.parent
+        if above is None:  # the chunk reaches past the locked path: move the lock down
+            self.tree.lock(node)
+            self._unlock(req)
+            req.node = node
         return out
 
     def _on_release(self, msg: SequenceReleased) -> list[Msg]:

@@ -117,6 +117,8 @@ def test_chunk_moves_lock_and_followers_share():
     assert core.handle(LeaseRequest(2, 100))[-1].num_evicted_pages == 0
     core.handle(ChunkCached("a", prompt[:16], pages[:16]))
     assert core.tree.num_locked_pages == 16
+    core.handle(ChunkCached("a", prompt[:4], pages[:4]))  # shorter: the lock stays deep
+    assert core.tree.num_locked_pages == 16
     core.handle(SequenceReleased("a", prompt, pages))
     assert core.tree.num_locked_pages == 8  # b still holds its 8
 

@@ -109,6 +109,9 @@ async def test_scheduler_actor_serves_requests_and_its_recording_replays(tmp_pat
     result = replay(tmp_path, "scheduler")
     assert result.identical, result.report()
     assert result.num_inbox > 20 and result.num_outbox > 20
+    from shunter.ops.busctl import main as busctl
+
+    assert busctl(["replay", str(tmp_path), "--actor", "scheduler"]) == 0
     cache = replay(tmp_path, "cache")
     assert cache.identical, cache.report()
 

@@ -28,11 +28,15 @@ from shunter.bus.messages import (
     RequestFailed,
     SamplingParams,
     SchedulerCensus,
+    SchedulerStats,
     SequenceReleased,
+    Shutdown,
     StepResult,
     Tick,
     Tokenized,
     TokensOut,
+    TopLogprob,
+    TreeDropped,
 )
 
 
@@ -473,3 +477,54 @@ def test_unexpected_results_are_counted_not_applied():
     assert f.send(StepResult(999, [0], [1])) == []
     assert f.core.statistics().num_unexpected == 1
     assert math.isclose(f.core.statistics().new_token_ratio, 0.7)
+
+
+def test_logprobs_and_prompt_logprobs_are_passed_through():
+    f = Feeder()
+    b = f.batch(
+        f.send(matched("lp", range(5), max_new=3, return_logprob=True, top_logprobs_num=1,
+                       logprob_start_len=0))
+    )  # fmt: skip
+    row = b.rows[0]
+    top = [[TopLogprob(7, -0.1)]]
+    out = f.send(StepResult(b.step_id, [row], [7], [-0.1], top, {row: [-1.0, -2.0, -3.0, -4.0]}))
+    (o,) = outputs(out)
+    assert o.token_ids == [7] and o.logprobs == [-0.1] and o.top_logprobs == top
+    assert o.prompt_logprobs == [-1.0, -2.0, -3.0, -4.0]
+
+
+def test_shutdown_drains_running_requests_and_refuses_new_ones():
+    f = Feeder()
+    b = f.batch(f.send(matched("run", range(5), max_new=2)))
+    f.send(Shutdown("sigterm", drain_timeout_s=5.0))
+    out = f.send(matched("late", range(10, 15)))
+    assert [o.finish_reason for o in outputs(out)] == ["abort"]
+    assert of(out, SequenceReleased)[0].request_id == "late"
+    b = f.batch(f.step(b))
+    assert outputs(f.step(b))[-1].finish_reason == "length"  # the running one finished
+
+
+def test_tree_drop_makes_waiting_matches_refresh_before_admission():
+    f = Feeder(max_running_requests=1, refresh_stale_matches=False)
+    b = f.batch(f.send(matched("a", range(5), max_new=2)))
+    f.send(matched("b", range(10, 20), cached=8, pages=range(8)))
+    f.send(TreeDropped("flip", 8, True, "", 9))
+    b = f.batch(f.step(b))
+    assert f.batch(f.step(b)) is None  # "b" is not admitted on its reclaimed pages...
+    (refresh,) = of(f.log, RefreshMatch)
+    assert refresh.request_id == "b"
+    out = f.send(matched("b", range(10, 20), version=9))  # ...but on its new match
+    assert admitted(f.batch(out)) == ["b"] and f.batch(out).opens[0].num_prefix_tokens == 0
+
+
+def test_ticks_publish_load_statistics():
+    f = Feeder()
+    f.send(Tick(1_000_000_000))
+    b = f.batch(f.send(matched("a", range(5), max_new=10)))
+    for _ in range(4):
+        b = f.batch(f.step(b))
+    f.send(matched("w", range(20, 30)))
+    (stats,) = of(f.send(Tick(2_000_000_000)), SchedulerStats)
+    assert stats.num_running == 2 or stats.num_running + stats.num_waiting == 2
+    assert stats.gen_throughput_tok_s == pytest.approx(4.0)  # 4 tokens in one second
+    assert f.core.now_ns == 2_000_000_000

@@ -3,7 +3,13 @@
 Theory of operation:
     - topic: the message's tag as ASCII bytes (`b"sched.batch"`). It goes first so a
       ZMQ SUB socket filters by prefix without looking at the rest.
-    - envelope: `Envelope(publisher_id, seq, mono_ns, wall_ns)` as a msgpack array.
+    - envelope: `Envelope(publisher_id, seq, mono_ns, wall_ns)` as a msgpack array,
+      with one more item appended by the transports: `topic_seq`, which counts the
+      publisher's messages on this topic alone (see `WireEnvelope`). `seq` orders all
+      of a publisher's messages; `topic_seq` lets a subscription that sees only some of
+      its topics check that it lost none of those (a prefix filter makes `seq` jump).
+      Readers that decode `Envelope` ignore the extra item (msgspec drops trailing
+      array items it has no field for), so recorded logs and tools are unaffected.
     - body: the message as a msgpack array whose first item is its tag again, so the
       body alone is self-describing (the recorder and replay rely on that).
 
@@ -39,8 +45,23 @@ class Frames(NamedTuple):
     body: bytes
 
 
+class WireEnvelope(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """The envelope frame as the transports send it: `Envelope`'s fields in order, then
+    `topic_seq` (-1 when absent, e.g. frames encoded from a plain Envelope)."""
+
+    publisher_id: str
+    seq: int  # per publisher, over all its topics
+    mono_ns: int
+    wall_ns: int
+    topic_seq: int = -1  # per (publisher, topic), from 0 with no holes
+
+    def envelope(self) -> Envelope:
+        return Envelope(self.publisher_id, self.seq, self.mono_ns, self.wall_ns)
+
+
 _ENCODER = msgspec.msgpack.Encoder()
 _ENVELOPE_DECODER = msgspec.msgpack.Decoder(Envelope)
+_WIRE_ENVELOPE_DECODER = msgspec.msgpack.Decoder(WireEnvelope)
 _TOPIC_BYTES: dict[type, bytes] = {m: topic_of(m).encode("ascii") for m in ALL_MESSAGES}
 
 
@@ -57,12 +78,15 @@ def topic_bytes(msg_type: type[Msg]) -> bytes:
     return cached
 
 
-def encode(msg: Msg, env: Envelope) -> Frames:
-    """Encode a message and its envelope into the three wire frames."""
+def encode(msg: Msg, env: Envelope, *, topic_seq: int | None = None) -> Frames:
+    """Encode a message and its envelope into the three wire frames (with `topic_seq`
+    appended to the envelope when given)."""
     cls = type(msg)
     topic = _TOPIC_BYTES.get(cls)
     if topic is None:
         topic = topic_bytes(cls)
+    if topic_seq is not None:
+        env = WireEnvelope(env.publisher_id, env.seq, env.mono_ns, env.wall_ns, topic_seq)
     return Frames(topic, _ENCODER.encode(env), _ENCODER.encode(msg))
 
 
@@ -78,6 +102,11 @@ def encode_envelope(env: Envelope) -> bytes:
 def decode_envelope(b: bytes) -> Envelope:
     """Decode an envelope frame; raises msgspec.DecodeError/ValidationError if malformed."""
     return _ENVELOPE_DECODER.decode(b)
+
+
+def decode_wire_envelope(b: bytes) -> WireEnvelope:
+    """Decode an envelope frame with its `topic_seq` (-1 if the frame has none)."""
+    return _WIRE_ENVELOPE_DECODER.decode(b)
 
 
 def types_for(*topics: str) -> tuple[type[Msg], ...]:
@@ -124,7 +153,9 @@ __all__ = [
     "CONTROL_PREFIX",
     "Decoder",
     "Frames",
+    "WireEnvelope",
     "decode_envelope",
+    "decode_wire_envelope",
     "encode",
     "encode_body",
     "encode_envelope",

@@ -2,8 +2,9 @@
 
 Theory of operation:
     A subscription reads frames from its transport's `Source` (a bounded queue
-    in-process, a SUB socket over ZMQ) and checks each envelope against the last seq seen
-    from its publisher: a jump is counted and published as `BusGap`. Bytes the typed
+    in-process, a SUB socket over ZMQ) and checks each envelope's `topic_seq` against the
+    last one seen from that publisher on that topic (see bus/codec.py): a jump is
+    counted and published as `BusGap` (its seqs are then topic seqs). Bytes the typed
     decoder rejects are counted and published as `DecodeFailed`, then skipped, so the
     subscriber keeps running. The first message seen from a publisher sets its
     baseline, so joining late is no gap; a seq that goes backwards means the publisher
@@ -24,14 +25,14 @@ from typing import TYPE_CHECKING, NamedTuple
 import anyio
 import msgspec
 
-from shunter.bus.codec import _ENVELOPE_DECODER, Decoder, Frames
+from shunter.bus.codec import _WIRE_ENVELOPE_DECODER, Decoder, Frames
 from shunter.bus.messages import BusGap, DecodeFailed, Envelope, Msg
 
 if TYPE_CHECKING:
     from shunter.bus.transport import Bus
 
 _EVENT_PREFIX = b"bus."
-_decode_envelope = _ENVELOPE_DECODER.decode
+_decode_wire_envelope = _WIRE_ENVELOPE_DECODER.decode
 
 
 class Received(NamedTuple):
@@ -83,7 +84,8 @@ class RawSubscription:
         self.prefixes = prefixes
         self.subscriber_id = bus.publisher_id
         self._source = source
-        self._next_seq: dict[str, int] = {}
+        self._next_seq: dict[str, int] = {}  # publisher -> next seq (frames w/o topic_seq)
+        self._next_topic_seq: dict[tuple[str, bytes], int] = {}  # (publisher, topic) -> next
         self._closed = False
         self._num_received = self._num_decode_failed = 0
         self._num_gaps = self._num_lost = self._num_seq_resets = 0
@@ -158,18 +160,26 @@ class RawSubscription:
     # -- checks -------------------------------------------------------------------------
 
     def _check(self, frames: Frames) -> Envelope | None:
-        """Decode the envelope and check its seq; None means skip these frames."""
+        """Decode the envelope and check its sequence; None means skip these frames.
+
+        Transports send `topic_seq`, checked per (publisher, topic), so a subscription
+        that sees only some of a publisher's topics still checks those. Frames without
+        it (built by hand from a plain Envelope) are checked on `seq` per publisher."""
         try:
-            env = _decode_envelope(frames.envelope)
+            wire = _decode_wire_envelope(frames.envelope)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             self._decode_failed(frames.topic, f"envelope: {e}")
             return None
-        pid, seq = env.publisher_id, env.seq
-        next_seq = self._next_seq
-        if next_seq.get(pid, seq) != seq:
-            self._seq_jump(pid, next_seq[pid], seq)
-        next_seq[pid] = seq + 1
-        return env
+        pid = wire.publisher_id
+        if wire.topic_seq >= 0:
+            key, seq, next_seq = (pid, frames.topic), wire.topic_seq, self._next_topic_seq
+        else:
+            key, seq, next_seq = pid, wire.seq, self._next_seq
+        expected = next_seq.get(key, seq)
+        if expected != seq:
+            self._seq_jump(pid, expected, seq)
+        next_seq[key] = seq + 1
+        return Envelope(pid, wire.seq, wire.mono_ns, wire.wall_ns)
 
     def _seq_jump(self, publisher_id: str, expected: int, seq: int) -> None:
         if seq > expected:

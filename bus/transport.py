@@ -3,7 +3,8 @@
 Theory of operation:
     A `Bus` is one actor's connection: it publishes under its `publisher_id` and opens
     subscriptions by topic prefix. `publish` stamps an `Envelope` (publisher id, a seq
-    that counts from 0 with no holes, monotonic and wall ns), encodes to `Frames` and
+    that counts from 0 with no holes, monotonic and wall ns; plus a per-topic seq, see
+    bus/codec.py), encodes to `Frames` and
     hands them to the transport in one synchronous step, so a publisher's messages
     reach every subscriber in seq order even when several of its tasks publish.
 
@@ -38,7 +39,7 @@ from typing import TypeVar
 import anyio
 import msgspec
 
-from shunter.bus.codec import _ENCODER, _TOPIC_BYTES, Decoder, Frames, topic_bytes
+from shunter.bus.codec import _ENCODER, _TOPIC_BYTES, Decoder, Frames, WireEnvelope, topic_bytes
 from shunter.bus.messages import Envelope, Msg, topic_of
 from shunter.bus.subscription import (
     RawSubscription,
@@ -77,6 +78,7 @@ class Bus(abc.ABC):
         self.publisher_id = publisher_id
         self.max_queue = max_queue
         self._seq = 0
+        self._topic_seqs: dict[bytes, int] = {}
         self._closed = False
         self._subs: set[RawSubscription] = set()
         self._num_published = self._num_events = 0
@@ -84,17 +86,25 @@ class Bus(abc.ABC):
     # -- publishing ---------------------------------------------------------------------
 
     def stamp(self) -> Envelope:
-        """The next envelope of this publisher (consumes a seq)."""
+        """The next envelope of this publisher (consumes a seq, not a topic_seq): for
+        frames built by hand (`encode(msg, bus.stamp())`, then `publish_frames`)."""
         env = Envelope(self.publisher_id, self._seq, time.monotonic_ns(), time.time_ns())
         self._seq += 1
         return env
 
     def encode(self, msg: Msg) -> Frames:
-        """Encode and stamp a message. The body is encoded before a seq is taken, so a
-        message that cannot be encoded raises without leaving a hole in the seqs."""
+        """Encode and stamp a message (seq, and topic_seq on its topic). The body is
+        encoded before seqs are taken, so a message that cannot be encoded raises
+        without leaving a hole in them."""
         topic = _TOPIC_BYTES.get(type(msg)) or topic_bytes(type(msg))
         body = _ENCODE(msg)
-        return Frames(topic, _ENCODE(self.stamp()), body)
+        seq = self._seq
+        self._seq = seq + 1
+        topic_seqs = self._topic_seqs
+        topic_seq = topic_seqs.get(topic, 0)
+        topic_seqs[topic] = topic_seq + 1
+        env = WireEnvelope(self.publisher_id, seq, _monotonic_ns(), _time_ns(), topic_seq)
+        return Frames(topic, _ENCODE(env), body)
 
     async def publish(self, msg: Msg) -> None:
         """Publish a message; waits while a subscriber's queue is full."""
@@ -368,11 +378,7 @@ class InProcBus(Bus):
                 await self._wait_room(topic)
                 queues = self.hub.route(topic)
                 break
-        body = _ENCODE(msg)  # before taking a seq: a failed encode leaves no hole
-        seq = self._seq
-        self._seq = seq + 1
-        env = Envelope(self.publisher_id, seq, _monotonic_ns(), _time_ns())
-        frames = Frames(topic, _ENCODE(env), body)
+        frames = self.encode(msg)
         for q in queues:
             q.items.append(frames)
             getter = q._getter

@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 from shunter.bus.codec import (
     Decoder,
     Frames,
+    WireEnvelope,
     decode_envelope,
+    decode_wire_envelope,
     encode,
     encode_body,
     topic_bytes,
@@ -140,3 +142,12 @@ def test_decode_envelope_rejects_garbage():
         decode_envelope(b"\x93\x01\x02")
     with pytest.raises(msgspec.DecodeError):
         decode_envelope(b"")
+
+
+def test_topic_seq_rides_after_the_envelope_and_plain_readers_ignore_it():
+    env = Envelope("scheduler", 41, 5, 6)
+    frames = encode(Tick(1), env, topic_seq=7)
+    assert decode_envelope(frames.envelope) == env  # readers of Envelope are unaffected
+    assert decode_wire_envelope(frames.envelope) == WireEnvelope("scheduler", 41, 5, 6, 7)
+    assert decode_wire_envelope(frames.envelope).envelope() == env
+    assert decode_wire_envelope(encode(Tick(1), env).envelope).topic_seq == -1

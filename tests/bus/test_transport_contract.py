@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from shunter.bus.codec import Frames, decode_envelope, encode
+from shunter.bus.codec import Frames, decode_envelope, decode_wire_envelope, encode
 from shunter.bus.messages import (
     BusGap,
     DecodeFailed,
@@ -238,21 +238,52 @@ async def test_gap_is_detected_and_published(connector):
     raw = b.subscribe_raw("sched.")
     for bus in connector.buses:
         await bus.wait_connected()
-    await a.publish(Tick(0))  # seq 0
-    skipped = Envelope("a", 6, 0, 0)  # seqs 1..5 never sent
-    await a.publish_frames(encode(Tick(6), skipped))
+    await a.publish(Tick(0))  # topic seq 0 on sched.tick
+    await a.publish_frames(encode(Tick(6), a.stamp(), topic_seq=6))  # 1..5 never sent
     assert (await recv(sub)).msg == Tick(0)
     assert (await recv(sub)).msg == Tick(6)
     stats = sub.statistics()
     assert (stats.num_gaps, stats.num_lost) == (1, 5)
     assert (await recv(gaps)).msg == BusGap("b", "a", 1, 6)
     frames = [await recv(raw) for _ in range(2)]
-    assert [decode_envelope(f.envelope).seq for f in frames] == [0, 6]
+    assert [decode_wire_envelope(f.envelope).topic_seq for f in frames] == [0, 6]
+    assert [decode_envelope(f.envelope).seq for f in frames] == [0, 1]
     assert raw.statistics().num_gaps == 1
-    # a publisher that restarts (seq back to 0) resets the baseline, no gap event
-    await a.publish_frames(encode(Tick(7), Envelope("a", 0, 0, 0)))
+    # a publisher that restarts (seqs back to 0) resets the baseline, no gap event
+    await a.publish_frames(encode(Tick(7), Envelope("a", 0, 0, 0), topic_seq=0))
     assert (await recv(sub)).msg == Tick(7)
     assert sub.statistics().num_seq_resets == 1 and sub.statistics().num_gaps == 1
+
+
+async def test_prefix_subscriptions_see_no_false_gaps(connector):
+    """A publisher's seq jumps for a subscription that filters out some of its topics;
+    the per-topic seq does not, so no gap is reported."""
+    a, b = connector.connect("a"), connector.connect("b")
+    ticks = b.subscribe(types=(Tick,))
+    sched = b.subscribe("sched.")
+    for bus in connector.buses:
+        await bus.wait_connected()
+    for i in range(20):
+        await a.publish(Heartbeat("a", i))
+        await a.publish(Tick(i))
+        await a.publish(ForwardBatch(step_id=i))
+    got = [(await recv(ticks)) for _ in range(20)]
+    assert [r.msg.now_ns for r in got] == list(range(20))
+    assert [r.envelope.seq for r in got] == list(range(1, 60, 3))  # seq jumps by 3
+    assert [(await recv(sched)).msg for _ in range(40)][:2] == [Tick(0), ForwardBatch(step_id=0)]
+    for sub in (ticks, sched):
+        assert sub.statistics().num_gaps == 0 and sub.statistics().num_lost == 0
+
+
+async def test_frames_without_topic_seq_are_checked_per_publisher(connector):
+    a, b = connector.connect("a"), connector.connect("b")
+    sub = b.subscribe(types=(Tick,))
+    await b.wait_connected()
+    await a.wait_connected()
+    await a.publish_frames(encode(Tick(1), Envelope("x", 10, 0, 0)))
+    await a.publish_frames(encode(Tick(2), Envelope("x", 13, 0, 0)))
+    assert [(await recv(sub)).msg for _ in range(2)] == [Tick(1), Tick(2)]
+    assert (sub.statistics().num_gaps, sub.statistics().num_lost) == (1, 2)
 
 
 async def test_bad_arguments_are_clear_errors(connector):

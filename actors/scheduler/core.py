@@ -20,12 +20,21 @@ Theory of operation
     last grew gets a RefreshMatch and is skipped this step (never blocks the step).
 
     KV pages come from a local pool leased from the cache manager (pool.py), topped up
-    ahead of need and trimmed when idle, so a decode step has no round trip. When the
-    decoding requests need more pages than the pool has and the cache cannot grant
-    more, requests are retracted (fewest output tokens first, then longest prompt:
-    the least work lost), released with reason "retracted" so their computed prefix
-    stays in the tree, and re-queued when the cache manager re-matches them; the
-    new_token_ratio is raised, then decays back a little every step.
+    ahead of need (the running batch's next steps, the next chunk, the next admission;
+    a request arriving mid-step has its pages asked for at once) and trimmed when idle,
+    so a decode step has no round trip. When the decoding requests need more pages than
+    the pool has and the cache cannot grant more:
+      1. waiting requests are parked: their matches are released (a match locks tree
+         pages; a deep queue of locked prefixes can pin the whole pool) and they are
+         sent to the cache manager again (Tokenized) once the pressure has passed;
+      2. if none could be parked, running requests are retracted (fewest output tokens
+         first, then longest prompt: the least work lost), released with reason
+         "retracted" so their computed prefix stays in the tree, and re-queued with
+         their output when the cache manager re-matches them (the resumed row re-prefills
+         what the match does not cover and continues exactly where it stopped);
+      3. a lone request that still cannot grow is ended ("abort") rather than stalled.
+    After a retraction or parking the new_token_ratio is raised to at least its initial
+    value, then decays back a little every step.
 
     Overlap: decode entries feed LAST_SAMPLED, so a step's plan never reads the previous
     result's tokens. Running two batches in flight needs only that planning assumes each
@@ -34,8 +43,8 @@ Theory of operation
     This core runs one batch in flight (the non-overlap mode).
 
 Invariants
-    - A request is in exactly one of: waiting, running (holds a row), retracted
-      (awaiting its new Matched); finished requests are forgotten.
+    - A request is in exactly one of: waiting, running (holds a row), retracted or
+      parked (`retracted` dict: holds no match here); finished requests are forgotten.
     - Every Matched received is ended by exactly one SequenceReleased or replaced by a
       newer Matched (cache.py's protocol); a request awaiting a Matched is never released
       until that Matched arrives.
@@ -50,8 +59,6 @@ from __future__ import annotations
 import zlib
 from collections import deque
 
-import msgspec
-
 from shunter.actors.scheduler import plan
 from shunter.actors.scheduler.batch import InFlight
 from shunter.actors.scheduler.config import SchedulerConfig
@@ -60,6 +67,7 @@ from shunter.actors.scheduler.pool import LeasePool
 from shunter.actors.scheduler.req import PARKED, RETRACTED, RUNNING, WAITING, Req
 from shunter.actors.scheduler.results import apply_result
 from shunter.actors.scheduler.rows import RowAllocator
+from shunter.actors.scheduler.stats import SchedulerStatistics, on_tick, statistics
 from shunter.bus.messages import (
     AbortRequest,
     AdmissionPaused,
@@ -75,7 +83,6 @@ from shunter.bus.messages import (
     RequestOutput,
     SchedulerCensus,
     SchedulerConfigured,
-    SchedulerStats,
     SequenceReleased,
     Shutdown,
     StepResult,
@@ -90,30 +97,6 @@ Inbox = (
     | FlipDone | Shutdown | TreeDropped | SchedulerConfigured
 )  # fmt: skip
 INBOX_TYPES: tuple[type[Msg], ...] = Inbox.__args__  # type: ignore[attr-defined]
-
-
-class SchedulerStatistics(msgspec.Struct, frozen=True):
-    num_waiting: int
-    num_running: int
-    num_retracted: int  # retracted or parked, not in the waiting queue
-    num_steps: int
-    num_in_flight: int
-    num_leased_unused: int
-    num_held_pages: int
-    num_lease_requests: int
-    num_retractions: int
-    num_parked: int  # waiting requests whose match was released under KV pressure
-    num_refreshes: int
-    num_chunks_cached: int
-    num_finished: int
-    num_aborted: int
-    num_failed: int
-    num_prefill_tokens: int
-    num_generated_tokens: int
-    num_unexpected: int  # messages that broke the protocol and were ignored
-    new_token_ratio: float
-    admission_paused: bool
-    version: int
 
 
 class SchedulerCore:
@@ -175,7 +158,7 @@ class SchedulerCore:
             case AbortRequest():
                 self._on_abort(msg, out)
             case Tick():
-                self._on_tick(msg, out)
+                on_tick(self, msg, out)
             case FlipBegin():
                 self.paused_by.add(msg.flip_id)
                 self.retract_all_pending = self.retract_all_pending or msg.retract
@@ -433,51 +416,5 @@ class SchedulerCore:
         )  # fmt: skip
         req.awaiting_match = True
 
-    # ---- time and statistics -------------------------------------------------------
-
-    def _on_tick(self, tick: Tick, out: list[Msg]) -> None:
-        if tick.now_ns <= self.now_ns:
-            self.now_ns = max(self.now_ns, tick.now_ns)
-            return
-        dt_s = (tick.now_ns - self._last_stats_ns) / 1e9 if self._last_stats_ns else 0.0
-        self.now_ns = tick.now_ns
-        n = self._n
-        out.append(
-            SchedulerStats(
-                step_id=self.step_id,
-                num_running=len(self.running),
-                num_waiting=len(self.waiting) + len(self.retracted),
-                num_used_pages=self.num_held + sum(r.num_tree_pages for r in self.running.values()),
-                num_total_pages=self.config.num_total_pages,
-                cache_hit_rate=n["cached_tokens"] / n["prompt_tokens"] if n["prompt_tokens"] else 0.0,
-                gen_throughput_tok_s=self._gen_since_stats / dt_s if dt_s > 0 else 0.0,
-            )
-        )  # fmt: skip
-        self._last_stats_ns = tick.now_ns
-        self._gen_since_stats = 0
-
     def statistics(self) -> SchedulerStatistics:
-        n = self._n
-        return SchedulerStatistics(
-            num_waiting=len(self.waiting),
-            num_running=len(self.running),
-            num_retracted=len(self.retracted),
-            num_steps=self.step_id,
-            num_in_flight=0 if self.in_flight is None else 1,
-            num_leased_unused=len(self.pool),
-            num_held_pages=self.num_held,
-            num_lease_requests=self.pool.num_requests,
-            num_retractions=n["retractions"],
-            num_parked=n["parked"],
-            num_refreshes=n["refreshes"],
-            num_chunks_cached=n["chunks"],
-            num_finished=n["finished"],
-            num_aborted=n["aborted"],
-            num_failed=n["failed"],
-            num_prefill_tokens=n["prefill_tokens"],
-            num_generated_tokens=n["generated"],
-            num_unexpected=n["unexpected"],
-            new_token_ratio=self.new_token_ratio,
-            admission_paused=bool(self.paused_by),
-            version=self.version,
-        )
+        return statistics(self)

@@ -138,10 +138,14 @@ def apply_client(sock: zmq.Socket, client: CurveClient) -> None:
 def check_endpoint(endpoint: str, *, curve: bool, allow_insecure_tcp: bool) -> str:
     """Refuse unknown schemes, and tcp:// without CURVE unless explicitly allowed."""
     if not isinstance(endpoint, str) or "://" not in endpoint:
-        raise ValueError(f"bad bus endpoint {endpoint!r}: expected ipc://, tcp:// or inproc://")
+        raise ValueError(f"bad bus endpoint {endpoint!r}: expected ipc:// or tcp://")
     scheme = endpoint.split("://", 1)[0]
-    if scheme not in ("ipc", "tcp", "inproc"):
-        raise ValueError(f"bad bus endpoint {endpoint!r}: scheme must be ipc, tcp or inproc")
+    if scheme == "inproc":  # the broker owns its context, so inproc:// could never connect
+        raise ValueError(
+            f"bad bus endpoint {endpoint!r}: within one process use InProcHub, not inproc://"
+        )
+    if scheme not in ("ipc", "tcp"):
+        raise ValueError(f"bad bus endpoint {endpoint!r}: scheme must be ipc or tcp")
     if scheme == "tcp" and not curve and not allow_insecure_tcp:
         raise ValueError(
             f"refusing unauthenticated TCP bus endpoint {endpoint!r}: give CURVE keys, "

@@ -78,6 +78,8 @@ def test_endpoint_rules():
         ZmqBus("a", BusEndpoints("udp://x", "udp://y"))
     with pytest.raises(ValueError, match="bad bus endpoint"):
         Broker("127.0.0.1:5555", "ipc:///tmp/x")
+    with pytest.raises(ValueError, match="InProcHub"):
+        Broker("inproc://a", "inproc://b")
     with pytest.raises(ValueError, match="too long"):
         default_endpoints("/tmp/" + "d" * 120)
 

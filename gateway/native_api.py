@@ -34,7 +34,7 @@ from shunter.gateway.app import (
 )
 from shunter.gateway.engine import draw_seed, new_id
 from shunter.gateway.errors import APIError, bad_request
-from shunter.gateway.openai_api import Acc
+from shunter.gateway.formats import Acc
 from shunter.gateway.validation import (
     GenerateBody,
     NativeSamplingParams,

@@ -11,7 +11,7 @@ tokens, start position, input ids, pages appended, whether to sample). So the
 mirror is a pure function of the batches received, and a recorded log replays it.
 
 `handle(batch)` does, in order:
-1. plan: check the whole batch against the mirror WITHOUT changing it (unknown row,
+1. plan (core_plan.py): check the whole batch against the mirror WITHOUT changing it (unknown row,
    start_pos != KV length, page overflow, page or token id out of range,
    LAST_SAMPLED without a pending sample, bad sampling parameters, ...). A malformed
    batch answers `StepResult(error=...)`; only its closes apply (closing is
@@ -46,9 +46,10 @@ import math
 import msgspec
 import torch
 
+from shunter.actors.executor.core_plan import Entry, Geometry, Row, StepFailed, plan_batch
 from shunter.actors.executor.runner import ForwardInput
-from shunter.actors.executor.sampling import RowSampling, sample, token_logprobs, validate_params
-from shunter.bus.messages import LAST_SAMPLED, ForwardBatch, Msg, StepResult, TopLogprob
+from shunter.actors.executor.sampling import sample, token_logprobs
+from shunter.bus.messages import ForwardBatch, Msg, StepResult, TopLogprob
 
 Inbox = ForwardBatch
 _ROW_CHUNK = 64  # row tables grow by at least this many rows
@@ -62,39 +63,6 @@ class ExecutorStats(msgspec.Struct, frozen=True):
     num_sampled: int
     num_unknown_closes: int  # closes of rows that were not open (idempotent no-ops)
     last_error: str | None
-
-
-class _Row:
-    __slots__ = ("has_sampled", "num_pages", "num_resumed", "num_tokens", "pending", "prompt_lp",
-                 "resume_ids", "sampling")  # fmt: skip
-
-    def __init__(self, num_tokens: int, num_pages: int, sampling: RowSampling) -> None:
-        self.num_tokens = num_tokens  # tokens with KV
-        self.num_pages = num_pages
-        self.sampling = sampling
-        self.pending: int | None = None  # sampled, not yet fed back: what LAST_SAMPLED means
-        self.has_sampled = False
-        # [V] float32 logprobs at the last computed prompt position, kept between prefill
-        # chunks for rows that want prompt logprobs (they score the next chunk's first token).
-        self.prompt_lp: torch.Tensor | None = None
-        # A resumed request: its ids before the first sample, to find its earlier outputs
-        # (the last RowOpen.num_output_tokens of them) when it samples again.
-        self.resume_ids: list[int] | None = None
-        self.num_resumed = 0
-
-
-class _Entry(msgspec.Struct):
-    row_idx: int
-    row: _Row | None  # None: opened by this batch (see opened)
-    start: int
-    ids: list[int]  # resolved input ids
-    base_pages: int  # pages the row holds before this entry's new ones
-    sample: bool
-    prompt_lp_from: int  # first position whose prompt logprob this entry reports; -1: none
-
-
-class StepFailed(ValueError):
-    """A ForwardBatch that cannot run; the message says why."""
 
 
 class ExecutorCore:
@@ -116,8 +84,10 @@ class ExecutorCore:
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_context_len = max_context_len or runner.config.max_position_embeddings
         self.max_num_rows = max_num_rows
-        self.max_pages_per_row = -(-self.max_context_len // self.page_size)
-        self._rows: dict[int, _Row] = {}
+        self.geometry = Geometry(self.page_size, self.num_pages, self.vocab_size,
+                                 self.max_context_len, max_num_rows, self.eos_token_ids)  # fmt: skip
+        self.max_pages_per_row = self.geometry.max_pages_per_row
+        self._rows: dict[int, Row] = {}
         self._pages = torch.zeros(0, self.max_pages_per_row, dtype=torch.int64)
         self._slots = (
             self._pages
@@ -139,7 +109,7 @@ class ExecutorCore:
     def step(self, batch: ForwardBatch) -> StepResult:
         self._num_steps += 1
         try:
-            entries, opened = self._plan(batch)
+            entries, opened = plan_batch(batch, self._rows, self.geometry)
             if not entries:  # only row diffs (e.g. closes while nothing runs): no forward
                 self._commit(batch, entries, opened)
                 return StepResult(step_id=batch.step_id, rows=[], token_ids=[])
@@ -181,98 +151,6 @@ class ExecutorCore:
 
     # ---- 1. plan --------------------------------------------------------------------
 
-    def _plan(self, b: ForwardBatch) -> tuple[list[_Entry], dict[int, _Row]]:
-        n = len(b.rows)
-        for name in ("num_new_tokens", "start_pos", "num_new_pages", "sample"):
-            if len(getattr(b, name)) != n:
-                raise StepFailed(f"{name} has {len(getattr(b, name))} items for {n} entries")
-        if sum(b.num_new_tokens) != len(b.input_ids):
-            raise StepFailed(f"{len(b.input_ids)} input ids for {sum(b.num_new_tokens)} new tokens")
-        if sum(b.num_new_pages) != len(b.new_pages):
-            raise StepFailed(f"{len(b.new_pages)} new pages for {sum(b.num_new_pages)} declared")
-        if b.new_pages and (min(b.new_pages) < 0 or max(b.new_pages) >= self.num_pages):
-            raise StepFailed(f"a new page is outside [0, {self.num_pages})")
-        closed = set(b.closes)
-        opened: dict[int, _Row] = {}
-        for o in b.opens:
-            if not 0 <= o.row_idx < self.max_num_rows:
-                raise StepFailed(f"open of row {o.row_idx} outside [0, {self.max_num_rows})")
-            if o.row_idx in opened or (o.row_idx in self._rows and o.row_idx not in closed):
-                raise StepFailed(f"open of row {o.row_idx}, which is already open")
-            if not 0 <= o.num_prefix_tokens <= len(o.prefix_pages) * self.page_size:
-                raise StepFailed(
-                    f"row {o.row_idx}: {o.num_prefix_tokens} prefix tokens in "
-                    f"{len(o.prefix_pages)} pages of {self.page_size}"
-                )
-            if len(o.prefix_pages) > self.max_pages_per_row:
-                raise StepFailed(f"row {o.row_idx}: prefix longer than the context")
-            if o.prefix_pages and (
-                min(o.prefix_pages) < 0 or max(o.prefix_pages) >= self.num_pages
-            ):
-                raise StepFailed(f"row {o.row_idx}: a prefix page is outside [0, {self.num_pages})")
-            if o.num_output_tokens < 0:
-                raise StepFailed(f"row {o.row_idx}: num_output_tokens {o.num_output_tokens} < 0")
-            if len(o.prefix_token_ids) > o.num_prefix_tokens:
-                raise StepFailed(f"row {o.row_idx}: more prefix token ids than prefix tokens")
-            if (why := validate_params(o.sampling, self.vocab_size)) is not None:
-                raise StepFailed(f"row {o.row_idx} ({o.request_id}): {why}")
-            sampling = RowSampling(o.sampling, o.seed, self.eos_token_ids)
-            opened[o.row_idx] = _Row(o.num_prefix_tokens, len(o.prefix_pages), sampling)
-
-        entries: list[_Entry] = []
-        seen_rows: set[int] = set()
-        pos = page_pos = 0
-        for i, row_idx in enumerate(b.rows):
-            num_new = b.num_new_tokens[i]
-            ids = b.input_ids[pos : pos + num_new]
-            num_new_pages = b.num_new_pages[i]
-            pos += num_new
-            page_pos += num_new_pages
-            row = opened.get(row_idx)
-            is_open = row is not None
-            if row is None:
-                row = self._rows.get(row_idx) if row_idx not in closed else None
-            if row is None:
-                raise StepFailed(f"entry {i}: row {row_idx} is not open")
-            if row_idx in seen_rows:
-                raise StepFailed(f"entry {i}: row {row_idx} appears twice")
-            seen_rows.add(row_idx)
-            if num_new < 1 or num_new_pages < 0:
-                raise StepFailed(f"entry {i}: {num_new} new tokens, {num_new_pages} new pages")
-            if b.start_pos[i] != row.num_tokens:
-                raise StepFailed(
-                    f"entry {i}: row {row_idx} starts at {b.start_pos[i]} but holds KV for "
-                    f"{row.num_tokens} tokens"
-                )
-            end = row.num_tokens + num_new
-            if end > self.max_context_len:
-                raise StepFailed(
-                    f"entry {i}: row {row_idx} reaches {end} > context {self.max_context_len}"
-                )
-            if end > (row.num_pages + num_new_pages) * self.page_size:
-                raise StepFailed(
-                    f"entry {i}: page overflow: row {row_idx} needs {end} slots in "
-                    f"{row.num_pages + num_new_pages} pages of {self.page_size}"
-                )
-            if ids[0] == LAST_SAMPLED:
-                if row.pending is None:
-                    raise StepFailed(
-                        f"entry {i}: LAST_SAMPLED for row {row_idx}, which has no pending sample"
-                    )
-                ids = [row.pending, *ids[1:]]
-            if min(ids) < 0 or max(ids) >= self.vocab_size:
-                raise StepFailed(
-                    f"entry {i}: input id outside [0, {self.vocab_size})"
-                    + (" (LAST_SAMPLED is only valid first)" if LAST_SAMPLED in ids else "")
-                )
-            start_lp = row.sampling.params.logprob_start_len
-            lp_from = max(start_lp, row.num_tokens) if start_lp >= 0 and not row.has_sampled else -1
-            entries.append(
-                _Entry(row_idx, None if is_open else row, row.num_tokens, ids, row.num_pages,
-                       b.sample[i], lp_from)
-            )  # fmt: skip
-        return entries, opened
-
     # ---- 2. stage -------------------------------------------------------------------
 
     def _ensure_rows(self, max_row_idx: int) -> None:
@@ -288,9 +166,7 @@ class ExecutorCore:
                 [self._slots, self._slots.new_zeros(grow, self._slots.shape[1])]
             )
 
-    def _stage(
-        self, b: ForwardBatch, entries: list[_Entry], opened: dict[int, _Row]
-    ) -> ForwardInput:
+    def _stage(self, b: ForwardBatch, entries: list[Entry], opened: dict[int, Row]) -> ForwardInput:
         self._ensure_rows(max(max(b.rows), max(opened, default=0)))
         ps = self.page_size
         for o in b.opens:  # prefix pages and their tokens' slots
@@ -352,7 +228,7 @@ class ExecutorCore:
             if self._rows.pop(row_idx, None) is None:
                 self._num_unknown_closes += 1
 
-    def _commit(self, b: ForwardBatch, entries: list[_Entry], opened: dict[int, _Row]) -> None:
+    def _commit(self, b: ForwardBatch, entries: list[Entry], opened: dict[int, Row]) -> None:
         self._close(b.closes)
         for o in b.opens:
             row = opened[o.row_idx]
@@ -376,7 +252,7 @@ class ExecutorCore:
 
     # ---- 5. sample ------------------------------------------------------------------
 
-    def _sample(self, b: ForwardBatch, entries: list[_Entry], logits: torch.Tensor) -> StepResult:
+    def _sample(self, b: ForwardBatch, entries: list[Entry], logits: torch.Tensor) -> StepResult:
         sample_rows: list[int] = []
         sample_logit_idx: list[int] = []
         prompt_logprobs: dict[int, list[float]] = {}
@@ -421,7 +297,7 @@ class ExecutorCore:
             prompt_logprobs=prompt_logprobs,
         )
 
-    def _prompt_logprobs(self, e: _Entry, logits: torch.Tensor) -> list[float]:
+    def _prompt_logprobs(self, e: Entry, logits: torch.Tensor) -> list[float]:
         """Logprobs of this entry's prompt tokens at positions prompt_lp_from .. end-1.
 
         logits: [n, V] float32 of the entry's tokens; logits at position p score the

@@ -29,8 +29,6 @@ Invariants
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import msgspec
 
 from shunter.actors.tokenizer.chat import ChatTemplateError
@@ -64,10 +62,6 @@ INBOX_TYPES = (
     GenerateRequest, TokensOut, AbortRequest, RequestFailed, ActorDied, TokenizeQuery,
     DetokenizeQuery,
 )  # fmt: skip
-
-# Requests ended by a stop string whose final scheduler output has not arrived yet; the
-# bound keeps a scheduler that never reports them from growing this without limit.
-MAX_REMEMBERED_STOPPED = 65536
 
 
 class TokenizerStats(msgspec.Struct, frozen=True):
@@ -111,7 +105,6 @@ class TokenizerCore:
         self.config = config
         self.context_len = config.context_len or codec.context_len
         self._active: dict[str, _Active] = {}
-        self._stopped: OrderedDict[str, None] = OrderedDict()
         self._num_tokenized = self._num_rejected = self._num_finished = 0
         self._num_stop_matches = self._num_output_tokens = self._num_queries = 0
 
@@ -128,7 +121,6 @@ class TokenizerCore:
             case ActorDied():
                 # The gateway fails every in-flight request; their state is garbage now.
                 self._active.clear()
-                self._stopped.clear()
                 return []
             case TokenizeQuery():
                 return [self._answer_tokenize(msg)]
@@ -244,9 +236,7 @@ class TokenizerCore:
         aborts: list[Msg] = []
         for out in msg.outputs:
             state = self._active.get(out.request_id)
-            if state is None:
-                if out.finish_reason is not None:
-                    self._stopped.pop(out.request_id, None)
+            if state is None:  # ended here (stop string) or from outside: late output
                 continue
             delta, matched = self._delta(state, out)
             deltas.append(delta)
@@ -255,13 +245,7 @@ class TokenizerCore:
                 self._num_finished += 1
                 if matched is not None and out.finish_reason is None:
                     aborts.append(AbortRequest(out.request_id, "stop_string", matched))
-                    self._remember_stopped(out.request_id)
         return ([TextDeltas(deltas)] if deltas else []) + aborts
-
-    def _remember_stopped(self, request_id: str) -> None:
-        self._stopped[request_id] = None
-        while len(self._stopped) > MAX_REMEMBERED_STOPPED:
-            self._stopped.popitem(last=False)
 
     def _delta(self, state: _Active, out: RequestOutput) -> tuple[TextDelta, str | None]:
         sp = state.sampling

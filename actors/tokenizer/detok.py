@@ -16,8 +16,8 @@ string is held back and the rest is released.
 
 Invariants
 ----------
-- Released text never ends inside a UTF-8 character (except at `flush`, where whatever
-  is left is released: the request is over).
+- Released text never ends inside a UTF-8 character, except at `flush` (the request is
+  over) and after MAX_HELD_IDS ids that never completed one (invalid bytes).
 - A stop string can only start inside `pending`: any earlier start would have made a
   longer suffix a prefix of that stop string, and it would have been held.
 - Text released before a stop match plus the final chunk equals the decoded output cut
@@ -30,6 +30,9 @@ from collections.abc import Sequence
 from typing import Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
+# A UTF-8 character is at most 4 bytes, so at most 4 byte-level tokens; more held ids
+# that still end in U+FFFD are invalid bytes, released as they are (bounds the work).
+MAX_HELD_IDS = 6
 
 
 class Decoder(Protocol):
@@ -88,7 +91,8 @@ class IncrementalDetokenizer:
             return ""
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
-        if not final and (len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR)):
+        incomplete = len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR)
+        if incomplete and not final and self.num_held_ids <= MAX_HELD_IDS:
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)

@@ -103,3 +103,13 @@ def test_stop_matcher_final_releases_held_text():
     m = StopStringMatcher(["END"])
     assert m.push("the EN") == ("the ", None)
     assert m.push("", final=True) == ("EN", None)
+
+
+def test_invalid_bytes_are_not_held_forever(codec):
+    # Lone UTF-8 lead bytes never complete; the detokenizer releases them after a bound.
+    lead = [i for i in range(256, 49152) if codec.decode([i]) == REPLACEMENT_CHAR][:1]
+    assert lead, "no single-byte partial token found"
+    d = IncrementalDetokenizer(codec)
+    out = [d.push(lead) for _ in range(20)]
+    assert d.num_held_ids <= 7
+    assert REPLACEMENT_CHAR in "".join(out)

@@ -395,11 +395,8 @@ async def record(
             await anyio.sleep(tick_s)
             writer.tick(time.monotonic_ns())
 
-    # Everything is received and topics are filtered here: a subscription that skips
-    # some of a publisher's topics would see its seq jump and publish false gaps.
-    wanted = tuple(p.encode("ascii") for p in prefixes)
     try:
-        async with bus.subscribe_raw() as sub, anyio.create_task_group() as tg:
+        async with bus.subscribe_raw(*prefixes) as sub, anyio.create_task_group() as tg:
             tg.start_soon(tick_while_idle)
             if started is not None:
                 started.set()
@@ -411,8 +408,7 @@ async def record(
                     break  # the bus closed
                 now_ns = time.monotonic_ns()
                 for frames in batch:
-                    if frames[0].startswith(wanted):
-                        writer.append(frames, now_ns)
+                    writer.append(frames, now_ns)
             tg.cancel_scope.cancel()
     finally:
         writer.close()

@@ -196,9 +196,7 @@ async def _tail(args: argparse.Namespace) -> int:
     bus = _connect(args, "tail")
     num_shown = 0
     async with bus:
-        # Everything is received and topics are filtered here: a subscription that
-        # skips some of a publisher's topics would see its seq jump and report gaps.
-        sub = bus.subscribe_raw()
+        sub = bus.subscribe_raw(*(args.topic or ()))  # the broker filters topics
         await _wait_connected(sub.wait_connected(args.connect_timeout_s), bus, args)
         print(f"busctl: tailing {bus.endpoints.backend}", file=sys.stderr, flush=True)
         with anyio.move_on_after(args.duration_s if args.duration_s > 0 else None):

@@ -5,7 +5,8 @@ added or changed on purpose, then commit tests/data/golden/.
     python tests/bus/make_golden.py --check    # exit 1 if anything would be written
 
 Layout: tests/data/golden/<topic>/v001.msgpack (the bytes) and v001.json (the same
-instance with field names); the envelope lives under `_envelope/`. A changed encoding is written as the next version and the
+instance with field names); the envelope frame lives under `_envelope/` and
+`_wire_envelope/`. A changed encoding is written as the next version and the
 older ones stay: tests/bus/test_golden.py checks that the newest re-encodes to identical
 bytes and that every older one still decodes to the same field values, which is the
 schema-evolution contract (append fields with defaults; never reorder or retype).
@@ -26,13 +27,16 @@ from typing import Any
 import msgspec
 import msgspec.inspect as mi
 
+from shunter.bus.codec import WireEnvelope
 from shunter.bus.messages import ALL_MESSAGES, Envelope, topic_of
 
 # Everything with a pinned encoding, by directory name: every message under its topic,
-# and the envelope (the second wire frame, and half of every event log record).
+# and the envelope frame, as the transports send it (with its topic seq) and as
+# `Envelope` readers such as the event log decode it.
 PINNED: dict[str, type[msgspec.Struct]] = {
     **{topic_of(m): m for m in ALL_MESSAGES},
     "_envelope": Envelope,
+    "_wire_envelope": WireEnvelope,
 }
 
 GOLDEN = pathlib.Path(__file__).resolve().parents[1] / "data" / "golden"

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 _EVENT_PREFIX = b"bus."
 _decode_wire_envelope = _WIRE_ENVELOPE_DECODER.decode
+_tuple_new = tuple.__new__  # builds a NamedTuple without its Python-level __new__
 
 
 class Received(NamedTuple):
@@ -233,7 +234,7 @@ class Subscription(RawSubscription):
             self._decode_failed(frames.topic, str(e))
             return None
         self._num_received += 1
-        return Received(frames.topic.decode("ascii"), env, msg)
+        return _tuple_new(Received, (frames.topic.decode("ascii"), env, msg))
 
 
 __all__ = ["RawSubscription", "Received", "Source", "Subscription", "SubscriptionStatistics"]

@@ -86,7 +86,7 @@ class _SubSource(Source):
             return None
         if len(parts) != 3:  # not ours: let the envelope check report it
             return Frames(topic, b"", b"")
-        return Frames(topic, parts[1], parts[2])
+        return tuple.__new__(Frames, (topic, parts[1], parts[2]))
 
     # The socket's FD is edge-triggered: it signals "state changed", and reading
     # ZMQ_EVENTS re-arms it. So: try a non-blocking recv; if nothing, check EVENTS; only

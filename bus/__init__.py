@@ -8,6 +8,17 @@
 - `shunter.bus.zmq_transport` / `shunter.bus.broker`: the ZMQ transport through an
   XSUB/XPUB broker (`ipc://` on one host, `tcp://` with CURVE across hosts).
 
+Use (the same code on either transport):
+
+    hub = InProcHub()                      # or ZmqBus("executor.0", default_endpoints())
+    bus = hub.connect("executor.0")
+    async with bus.subscribe(types=(ForwardBatch, Shutdown)) as inbox:  # waits connected
+        await bus.publish(Ready("executor", "executor.0"))
+        async for received in inbox:       # Received(topic, envelope, msg)
+            ...
+    await bus.request(HealthPing("p1"), reply=HealthPong,
+                      match=lambda m: m.ping_id == "p1", timeout_s=2.0)
+
 The two transports behave the same (encoded bytes on the wire, fresh objects on
 receive, typed decode failures and seq gaps reported as events, per-publisher order,
 nothing dropped) except under a slow subscriber: in-process, publishers wait for room

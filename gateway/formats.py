@@ -15,6 +15,9 @@ class Acc:
         self.logprobs: list[float] = []
         self.token_texts: list[str] = []
         self.top_logprobs: list[list] = []
+        self.prompt_ids: list[int] = []  # the whole prompt, when prompt logprobs were asked
+        self.prompt_texts: list[str] = []
+        self.prompt_logprobs: list[float] = []  # may arrive over several deltas (chunks)
         self.last: TextDelta | None = None
 
     def add(self, d: TextDelta) -> None:
@@ -23,7 +26,20 @@ class Acc:
         self.logprobs += d.logprobs
         self.token_texts += d.token_texts
         self.top_logprobs += d.top_logprobs
+        if d.prompt_token_ids:
+            self.prompt_ids, self.prompt_texts = d.prompt_token_ids, d.prompt_token_texts
+        self.prompt_logprobs += d.prompt_logprobs
         self.last = d
+
+    def prompt_entries(self, start: int) -> list[tuple[float | None, int, str]]:
+        """(logprob, id, text) of prompt positions start.. (None where not computed: the
+        first position, and positions whose KV came from the prefix cache)."""
+        ids = self.prompt_ids[start:]
+        if not ids:
+            return []
+        lps = self.prompt_logprobs[-len(ids) :]
+        lps = [None] * (len(ids) - len(lps)) + [None if lp != lp else lp for lp in lps]
+        return list(zip(lps, ids, self.prompt_texts[start:]))
 
 
 def usage(accs: list[Acc], n: int) -> dict:
@@ -49,7 +65,9 @@ def completion_logprobs(
     return {
         "tokens": tokens,
         "token_logprobs": lps,
-        "top_logprobs": [{t.text: t.logprob for t in row} for row in tops] if tops else None,
+        "top_logprobs": [{t.text: t.logprob for t in row} if row else None for row in tops]
+        if tops
+        else None,
         "text_offset": offsets,
     }
 

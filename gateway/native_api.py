@@ -105,27 +105,11 @@ def _meta(rid: str, a: Acc, start_s: float, body: GenerateBody, start_len: int) 
             for row in a.top_logprobs
         ]
         if start_len >= 0 and a.prompt_ids:
-            ids = a.prompt_ids[start_len:]
-            lps: list = list(a.prompt_logprobs)
-            lps = [None] * max(0, len(ids) - len(lps)) + lps[-len(ids) :] if ids else []
-            texts_in = a.prompt_texts[start_len:]
-            meta["input_token_logprobs"] = [[lp, tid, t] for lp, tid, t in zip(lps, ids, texts_in)]
+            meta["input_token_logprobs"] = [
+                [lp, tid, t if body.return_text_in_logprobs else None]
+                for lp, tid, t in a.prompt_entries(start_len)
+            ]
     return meta
-
-
-class NativeAcc(Acc):
-    def __init__(self) -> None:
-        super().__init__()
-        self.prompt_ids: list[int] = []
-        self.prompt_texts: list[str] = []
-        self.prompt_logprobs: list[float] = []
-
-    def add(self, d: TextDelta) -> None:
-        super().add(d)
-        if d.prompt_token_ids:
-            self.prompt_ids, self.prompt_texts = d.prompt_token_ids, d.prompt_token_texts
-        if d.prompt_logprobs:
-            self.prompt_logprobs = d.prompt_logprobs
 
 
 @routes.post("/generate")
@@ -185,7 +169,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     ctx.engine.check_available()
     start_s = time.monotonic()
     start_len = body.logprob_start_len
-    accs = [NativeAcc() for _ in gens]
+    accs = [Acc() for _ in gens]
 
     def item(k: int) -> dict:
         a = accs[k]

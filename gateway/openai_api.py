@@ -93,6 +93,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     sampling = sampling_from(
         req, max_new_tokens=max_new, return_logprob=lp is not None, top_logprobs_num=lp or 0
     )
+    prompt_lps = req.echo and lp is not None and not req.stream
+    if prompt_lps:  # echo with logprobs scores the prompt too (from position 0)
+        sampling = msgspec.structs.replace(sampling, logprob_start_len=0)
     ctx.engine.check_available()
     echo_texts: list[str] = []
     if req.echo:
@@ -129,7 +132,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
     for k, a in enumerate(accs):
         echo = echo_of(k)
         logprobs = None
-        if lp is not None:
+        if prompt_lps:
+            entries = a.prompt_entries(0)
+            logprobs = completion_logprobs(
+                [t for _, _, t in entries] + a.token_texts,
+                [x for x, _, _ in entries] + a.logprobs,
+                [[]] * len(entries) + a.top_logprobs if a.top_logprobs else [],
+                0,
+            )
+        elif lp is not None:
             logprobs = completion_logprobs(a.token_texts, a.logprobs, a.top_logprobs, len(echo))
         choices.append({
             "index": k, "text": echo + "".join(a.text), "logprobs": logprobs,
@@ -152,8 +163,8 @@ async def _stream_completions(
                 text = d.text
                 if not sent_echo[k]:
                     text, sent_echo[k] = echo_of(k) + text, True
-                if not text and d.finish_reason is None and lp is None:
-                    continue  # held-back text (a partial character or stop string)
+                if not text and d.finish_reason is None and not d.token_ids:
+                    continue  # prompt-only progress, or held-back text
                 logprobs = None
                 if lp is not None:
                     logprobs = completion_logprobs(d.token_texts, d.logprobs, d.top_logprobs, 0)

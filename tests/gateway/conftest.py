@@ -15,6 +15,7 @@ to it over real HTTP with the `openai` client, `requests` and raw sockets.
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 
 import anyio
@@ -128,8 +129,11 @@ class ScriptedEngine:
             [[TopLogprob(tok, -0.25), TopLogprob(13, -2.0)][: sp.top_logprobs_num]]
             if sp.top_logprobs_num else []
         )  # fmt: skip
+        prompt_lps = []
+        if sp.logprob_start_len >= 0 and r["pos"] == 1:  # position 0 has no logprob
+            prompt_lps = [math.nan, *[-1.0] * (len(req.input_ids) - 1)][sp.logprob_start_len :]
         return RequestOutput(
-            rid, [tok], lp, top, finish_reason=finish, matched_stop=matched,
+            rid, [tok], lp, top, prompt_lps, finish_reason=finish, matched_stop=matched,
             num_prompt_tokens=len(req.input_ids), num_cached_tokens=r["cached"],
         )  # fmt: skip
 

@@ -143,6 +143,12 @@ def test_native_generate_single_batch_and_logprobs(stack):
     ]
     assert len(meta["output_top_logprobs"][0]) == 1
     assert meta["e2e_latency"] > 0
+    r = _post(stack, "/generate", {"text": "one two three", "return_logprob": True,
+                                   "logprob_start_len": 1, "sampling_params": {"max_new_tokens": 1}})  # fmt: skip
+    ids = stack.codec.encode("one two three")
+    entries = r.json()["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in entries] == ids[1:]
+    assert [e[0] for e in entries] == [-1.0] * (len(ids) - 1)
     r = _post(
         stack, "/generate", {"input_ids": [[5, 6], [7]], "sampling_params": {"max_new_tokens": 50}}
     )

@@ -73,12 +73,16 @@ def test_completions_n_echo_logprobs(client, stack):
     assert len(r.choices) == 3
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     prefix = "".join(stack.codec.decode([i]) for i in stack.codec.encode(stack.reply)[:4])
+    num_prompt = len(stack.codec.encode("Say hi:"))
     for c in r.choices:
         assert c.text == "Say hi:" + prefix
         assert c.finish_reason == "length"
-        assert len(c.logprobs.tokens) == 4 and c.logprobs.token_logprobs == [-0.25] * 4
-        assert len(c.logprobs.top_logprobs[0]) == 2
-        assert c.logprobs.text_offset[0] == len("Say hi:")
+        # echo + logprobs: the prompt's tokens come first (the first one unscored)
+        assert len(c.logprobs.tokens) == num_prompt + 4
+        assert c.logprobs.token_logprobs[num_prompt:] == [-0.25] * 4
+        assert c.logprobs.token_logprobs[0] is None
+        assert len(c.logprobs.top_logprobs[num_prompt]) == 2
+        assert c.logprobs.text_offset[num_prompt] == len("Say hi:")
     seeds = sorted(t.sampling.seed for t in stack.engine.seen[-3:])
     assert seeds == [7, 8, 9]
     assert {t.request_id.rsplit("-", 1)[1] for t in stack.engine.seen[-3:]} == {"0", "1", "2"}
@@ -126,3 +130,16 @@ def test_client_errors_are_bad_requests(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="smollm2", prompt=[5] * 600, max_tokens=2)
     assert e.value.body["code"] == "context_length_exceeded"
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, stack):
+    prompt_ids = stack.codec.encode("Once upon a time")
+    r = client.completions.create(model="smollm2", prompt="Once upon a time", echo=True,
+                                  logprobs=1, max_tokens=2)  # fmt: skip
+    lp = r.choices[0].logprobs
+    n = len(prompt_ids)
+    assert lp.tokens[:n] == [stack.codec.token_text(i) for i in prompt_ids]
+    assert lp.token_logprobs[:n] == [None] + [-1.0] * (n - 1)
+    assert lp.token_logprobs[n:] == [-0.25, -0.25]
+    assert lp.top_logprobs[0] is None and len(lp.top_logprobs[n]) == 1
+    assert stack.engine.seen[-1].sampling.logprob_start_len == 0

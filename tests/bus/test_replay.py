@@ -7,6 +7,7 @@ This module also registers the core as "accumulator" when imported, so
 
 from __future__ import annotations
 
+import functools
 import pathlib
 
 import anyio
@@ -271,23 +272,8 @@ async def test_each_run_of_a_restarted_actor_replays_from_its_own_config(tmp_pat
 
 
 # --- the real scheduler and cache manager cores ------------------------------------
-# The cache manager runs its own shell and replay registration ("cache"). Until the
-# scheduler's shell registers, a minimal shell and spec here keep the same contract:
-# publish the config (SchedulerConfigured) first, feed the core what the subscription
-# delivers, publish every output.
-
-SCHED_INBOX = ("cache.matched", "cache.lease.granted", "sched.result", "req.abort",
-               "sched.tick", "flip.", "health.shutdown", "cache.dropped")  # fmt: skip
-
-
-def _sched_factory(cfg, **changes):
-    import msgspec
-
-    from shunter.actors.scheduler.config import SchedulerConfig
-    from shunter.actors.scheduler.core import SchedulerCore
-
-    config = msgspec.json.decode(cfg.config_json, type=SchedulerConfig)
-    return SchedulerCore(msgspec.structs.replace(config, **changes))
+# Both run their own shells and replay registrations ("scheduler", "cache"); a model-free
+# executor (the scheduler's SimExecutor) answers the batches.
 
 
 async def serve_core(bus: Bus, core, inbox, config_msg, task_status=anyio.TASK_STATUS_IGNORED):
@@ -302,20 +288,12 @@ async def serve_core(bus: Bus, core, inbox, config_msg, task_status=anyio.TASK_S
 
 
 async def record_cluster(directory: pathlib.Path) -> None:
-    import msgspec
-
     from shunter.actors.cache_manager.actor import run as run_cache
     from shunter.actors.cache_manager.config import CacheConfig
+    from shunter.actors.scheduler.actor import run as run_scheduler
     from shunter.actors.scheduler.config import SchedulerConfig
-    from shunter.actors.scheduler.core import SchedulerCore
     from shunter.actors.scheduler.sim import SimExecutor, mix64
-    from shunter.bus.messages import (
-        AbortRequest,
-        ForwardBatch,
-        SamplingParams,
-        SchedulerConfigured,
-        Tokenized,
-    )
+    from shunter.bus.messages import AbortRequest, ForwardBatch, SamplingParams, Tokenized
 
     num_pages = 192
     sched_cfg = SchedulerConfig(max_running_requests=6, max_prefill_tokens=48,
@@ -337,11 +315,9 @@ async def record_cluster(directory: pathlib.Path) -> None:
     ]
     async with anyio.create_task_group() as tg:
         await tg.start(record, hub.connect("recorder"), directory)
-        sched_msg = SchedulerConfigured("scheduler", msgspec.json.encode(sched_cfg).decode())
-        await tg.start(
-            serve_core, hub.connect("scheduler"), SchedulerCore(sched_cfg), SCHED_INBOX, sched_msg
-        )
-        await tg.start(run_cache, cache_cfg, hub.connect("cache"))  # the real shell
+        sched_run = functools.partial(run_scheduler, tick_interval_s=0.01)  # ticks recorded too
+        await tg.start(sched_run, sched_cfg, hub.connect("scheduler"))
+        await tg.start(run_cache, cache_cfg, hub.connect("cache"))
         await tg.start(
             serve_core, hub.connect("executor.0"), ExecutorCore(), ("sched.batch",), None
         )
@@ -368,14 +344,25 @@ async def cluster_log(tmp_path) -> pathlib.Path:
 
 @pytest.mark.anyio
 async def test_real_scheduler_and_cache_cores_replay_identically(cluster_log):
-    sched = CoreSpec("scheduler", _sched_factory, SCHED_INBOX, "scheduler", ("sched.config",))
-    for spec in (sched, get_core("cache")):  # the cache shell registers itself
-        result = replay(cluster_log, spec)
+    import msgspec
+
+    from shunter.actors.scheduler.config import SchedulerConfig
+    from shunter.actors.scheduler.core import SchedulerCore
+    from shunter.bus.messages import Tick
+
+    for name in ("scheduler", "cache"):  # found through their shells' registrations
+        result = replay(cluster_log, name)
         assert result.identical, result.report()
         assert result.num_inbox > 20 and result.num_outbox > 20, result.report()
+    assert any(isinstance(m, Tick) for _, m in LogReader(cluster_log).messages())
+
     # the same inbox under another chunk size plans other batches: caught
-    other = CoreSpec("scheduler", lambda c: _sched_factory(c, chunked_prefill_size=16),
-                     SCHED_INBOX, "scheduler", ("sched.config",))  # fmt: skip
+    def other_chunking(cfg):
+        config = SchedulerConfig.from_json(cfg.config_json)
+        return SchedulerCore(msgspec.structs.replace(config, chunked_prefill_size=16))
+
+    sched = get_core("scheduler")
+    other = CoreSpec("scheduler", other_chunking, sched.inbox, "scheduler", sched.config)
     d = replay(cluster_log, other).divergence
     assert d is not None and d.expected is not None and d.got is not None
 

@@ -133,6 +133,8 @@ class SchedulerCore:
         self.insert_log: deque[tuple[int, str, list[int]]] = deque(maxlen=256)
         self.enqueue_seq = 0
         self.admission_deficit = 0  # pages the next step's prefills want from the pool
+        self.lease_want = 0  # pages the pool should hold (set when a step is planned)
+        self.ahead_tokens = 0  # prefill tokens of arrivals leased ahead since then
         self._outputs: list[RequestOutput] = []
         self._boundary = False
         self._last_stats_ns = 0
@@ -185,8 +187,12 @@ class SchedulerCore:
             if batch is not None:
                 out.insert(0, batch)
                 self._boundary = True
-        elif isinstance(msg, Matched) and self.waiting:
-            plan.lease_ahead(self, out)
+        elif isinstance(msg, Matched):
+            req = self.waiting.get(msg.request.request_id)
+            if req is not None:
+                plan.lease_ahead(self, req, out)
+        elif isinstance(msg, LeaseGranted):  # a short grant may leave the pool below want
+            plan.keep_lease(self, out, self.lease_want)
         if self._outputs:
             out.append(TokensOut(step_id=self.step_id, outputs=self._outputs))
             self._outputs = []

@@ -42,7 +42,7 @@ def plan_step(core: SchedulerCore, out: list[Msg]) -> ForwardBatch | None:
         if pool.outstanding is not None:
             return None  # the grant is on its way
         if not pool.cache_short:
-            out.append(pool.request(max(cfg.lease_min_pages, need - len(pool) + _want(core))))
+            out.append(pool.request(max(cfg.lease_min_pages, need - len(pool) + core.lease_want)))
             return None
         # The cache could not grant more since our last release. First unpin the tree
         # pages that waiting requests' matches lock (no work is lost), then retract.
@@ -84,7 +84,9 @@ def plan_step(core: SchedulerCore, out: list[Msg]) -> ForwardBatch | None:
 
     core.num_held += builder.add_decodes(decodes, pool.pages, ps)
 
-    _keep_lease(core, out, builder)
+    core.lease_want = _want(core, builder)
+    core.ahead_tokens = 0
+    keep_lease(core, out, core.lease_want)
     if not len(builder):
         return None
     core.step_id += 1
@@ -315,7 +317,7 @@ def _retract_for(
     return need
 
 
-def _want(core: SchedulerCore, builder: BatchBuilder | None = None) -> int:
+def _want(core: SchedulerCore, builder: BatchBuilder) -> int:
     """Pages the pool should hold: the running batch's next few decode steps, the next
     piece of a chunked prefill in this batch, plus what the last admission lacked."""
     cfg = core.config
@@ -323,7 +325,7 @@ def _want(core: SchedulerCore, builder: BatchBuilder | None = None) -> int:
     steps = len(core.running) * cfg.lease_lookahead_steps
     want = -(-steps // ps) + core.admission_deficit
     chunk = cfg.chunk_tokens
-    for r, n, sample in builder.entries if builder is not None else ():
+    for r, n, sample in builder.entries:
         if not sample:  # a chunk: lease its successor's pages while this one runs
             start = r.num_computed + n
             end = len(r.all_ids) if chunk is None else min(len(r.all_ids), start + chunk)
@@ -331,24 +333,29 @@ def _want(core: SchedulerCore, builder: BatchBuilder | None = None) -> int:
     return want
 
 
-def lease_ahead(core: SchedulerCore, out: list[Msg]) -> None:
-    """While a batch is in flight: lease the pages the next step's admission will want
-    (a request that just arrived), so they are in the pool when that step is planned."""
+def lease_ahead(core: SchedulerCore, req: Req, out: list[Msg]) -> None:
+    """While a batch is in flight a request arrived: if it will be in the next step's
+    admission (no more waiting than free rows, the prefill budget not yet spoken for),
+    lease its pages now so they are in the pool when that step is planned. O(1) per
+    arrival, so a burst of arrivals costs no sorting."""
     cfg = core.config
     num_slots = min(cfg.max_running_requests - len(core.running), core.rows.num_free)
-    if num_slots <= 0 or core.paused_by or core.draining or core.pool.outstanding:
+    if len(core.waiting) > num_slots or core.paused_by or core.draining:
         return
-    order = core.order.order(core.waiting.values(), core.now_ns)
-    core.admission_deficit = _next_admission_pages(core, order, num_slots)
-    _keep_lease(core, out, None)
+    if core.ahead_tokens >= cfg.max_prefill_tokens:
+        return
+    n, num_pages = _extend_size(req, cfg.chunk_tokens, None, cfg.page_size, by_pages=False)
+    core.ahead_tokens += n
+    core.lease_want += num_pages
+    keep_lease(core, out, core.lease_want)
 
 
-def _keep_lease(core: SchedulerCore, out: list[Msg], builder: BatchBuilder | None) -> None:
+def keep_lease(core: SchedulerCore, out: list[Msg], want: int) -> None:
+    """Ask for pages when the pool is below `want`, give back a surplus above it."""
     cfg = core.config
     pool = core.pool
     if pool.outstanding is not None:
         return
-    want = _want(core, builder)
     if len(pool) < want and not pool.cache_short:
         out.append(pool.request(max(cfg.lease_min_pages, want - len(pool))))
     elif len(pool) > want + cfg.lease_max_surplus_pages:

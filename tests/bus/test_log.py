@@ -372,3 +372,16 @@ async def test_recording_some_topics_reports_no_false_gaps(tmp_path):
     assert [m for _, m in got] == [m for m in msgs if isinstance(m, StepResult)]
     assert [e.seq for e, _ in got] == list(range(0, 60, 3))  # holes, but not losses
     assert recorder_bus.statistics().num_events == 0  # so no BusGap was published
+
+
+@pytest.mark.heavy
+def test_large_log_round_trip(tmp_path):
+    pairs = traffic(200_000)
+    write(tmp_path, pairs, RecorderConfig(max_segment_bytes=1 << 20))
+    assert len(list_segments(tmp_path)) > 10
+    reader = LogReader(tmp_path)
+    n = 0
+    for got, want in zip(reader.messages(), pairs, strict=True):
+        assert got == want
+        n += 1
+    assert n == len(pairs) and not reader.statistics().torn

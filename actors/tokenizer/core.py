@@ -186,6 +186,14 @@ class TokenizerCore:
                 "invalid_request",
                 f"stop strings are limited to {self.config.max_stop_len_chars} characters",
             )
+        vocab = self.codec.vocab_size
+        bad_ids = [i for i in (*sp.stop_token_ids, *sp.logit_bias) if not 0 <= i < vocab]
+        if bad_ids:  # caught here, they would fail a whole executor step
+            raise _Invalid(
+                "invalid_request",
+                f"token id {bad_ids[0]} in stop_token_ids or logit_bias is outside the "
+                f"vocabulary [0, {vocab})",
+            )
         ids = self._prompt_ids(req)
         n, ctx = len(ids), self.context_len
         if n == 0:

@@ -5,8 +5,9 @@ Theory of operation
 Detokenizer (the prefix-offset method): keep every id seen; `prefix_offset..read_offset`
 is a window of ids whose text was already emitted. For new ids, decode the window and
 the window plus the new ids; the new text is the difference. When the longer decode
-ends in U+FFFD (a multi-byte character split across tokens) nothing is emitted and the
-offsets stay, so the bytes complete on a later token. A few prompt tokens seed the
+ends in U+FFFD (a multi-byte character split across tokens), only the text before that
+partial character is released (found by dropping up to 4 trailing ids), and its ids stay
+held, so the bytes complete on a later token. A few prompt tokens seed the
 window, so decoders that drop a piece's leading space see it in context.
 
 Stop strings: text that has been decoded but not yet sent is held in `pending`. After
@@ -33,6 +34,7 @@ REPLACEMENT_CHAR = "\ufffd"
 # A UTF-8 character is at most 4 bytes, so at most 4 byte-level tokens; more held ids
 # that still end in U+FFFD are invalid bytes, released as they are (bounds the work).
 MAX_HELD_IDS = 6
+MAX_BYTES_PER_CHAR = 4
 
 
 class Decoder(Protocol):
@@ -91,12 +93,25 @@ class IncrementalDetokenizer:
             return ""
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
-        incomplete = len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR)
-        if incomplete and not final and self.num_held_ids <= MAX_HELD_IDS:
-            return ""
+        complete = len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT_CHAR)
+        if complete or final:
+            return self._release(prefix_text, new_text, len(self._ids))
+        # The tail is a partial character: release what comes before it.
+        for k in range(1, MAX_BYTES_PER_CHAR + 1):
+            end = len(self._ids) - k
+            if end <= self._read_offset:
+                break
+            text = self._decode(self._ids[self._prefix_offset : end])
+            if len(text) > len(prefix_text) and not text.endswith(REPLACEMENT_CHAR):
+                return self._release(prefix_text, text, end)
+        if self.num_held_ids > MAX_HELD_IDS:  # can no longer complete: invalid bytes
+            return self._release(prefix_text, new_text, len(self._ids))
+        return ""
+
+    def _release(self, prefix_text: str, text: str, end: int) -> str:
         self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        return new_text[len(prefix_text) :]
+        self._read_offset = end
+        return text[len(prefix_text) :]
 
 
 class StopStringMatcher:

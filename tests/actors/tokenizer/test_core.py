@@ -102,6 +102,8 @@ def test_eos_joins_stop_token_ids_unless_ignore_eos(core):
         ),
         (_gen(text="x", sampling={"stop": [""]}), "invalid_request", "stop strings"),
         (_gen(messages=[]), "invalid_request", "messages"),
+        (_gen(text="x", sampling={"stop_token_ids": [49152]}), "invalid_request", "49152"),
+        (_gen(text="x", sampling={"logit_bias": {-3: 1.0}}), "invalid_request", "logit_bias"),
     ],
 )
 def test_invalid_requests_fail_with_a_clear_reason(core, req, code, words):

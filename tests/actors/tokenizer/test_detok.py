@@ -113,3 +113,15 @@ def test_invalid_bytes_are_not_held_forever(codec):
     out = [d.push(lead) for _ in range(20)]
     assert d.num_held_ids <= 7
     assert REPLACEMENT_CHAR in "".join(out)
+
+
+def test_text_before_a_partial_character_is_released_early(codec):
+    # Found by hypothesis: several ids arriving at once end inside a 4-byte character
+    # while an earlier character in the same chunk is complete.
+    text = "0\u0a40\U000c0000"
+    ids = codec.encode(text)
+    d = IncrementalDetokenizer(codec)
+    first = d.push(ids[:7])
+    assert first == "0\u0a40"  # released without waiting for the 4-byte character
+    assert d.push(ids[7:]) + d.flush() == "\U000c0000"
+    assert _stream(codec, ids, [3, 4]) == ["0", "\u0a40", "\U000c0000", ""]

@@ -1,0 +1,366 @@
+"""`shunter bench serve`: datasets, arrival schedule, metrics against a scripted SSE server.
+
+The scripted server is a real aiohttp server on loopback (in a thread with its own
+event loop). It streams OpenAI-style chunks with known delays, so TTFT and ITL can be
+checked against the script; it counts requests in flight, so the concurrency bound can
+be checked from the server's side; and it fails requests whose first prompt id is a
+multiple of FAIL_MOD (a 400 before the stream, or an error event inside it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import threading
+
+import numpy as np
+import pytest
+import structlog
+from aiohttp import web
+
+from shunter.ops import bench_datasets as ds
+from shunter.ops.bench_metrics import RequestResult, summarize
+from shunter.ops.bench_serve import ClientConfig, arrival_offsets, payload, run_benchmark
+from shunter.ops.cli import main
+
+TTFT_S, ITL_S = 0.08, 0.03
+FAIL_MOD = 7  # first prompt id % FAIL_MOD == 0 -> 400; == 1 -> error event mid-stream
+
+
+class ScriptedServer:
+    """OpenAI /v1/completions, /v1/chat/completions and SGLang /generate, with fixed delays."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.in_flight = self.max_in_flight = self.num_requests = 0
+        self.bodies: list[dict] = []
+        self.loop = asyncio.new_event_loop()
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._main, daemon=True)
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
+            app.router.add_post(path, self.stream)
+        self.runner = web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]
+        self.started.set()
+        self.loop.run_forever()
+
+    def __enter__(self) -> ScriptedServer:
+        self.thread.start()
+        assert self.started.wait(10)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "scripted-model"}]})
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        self.num_requests += 1
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        done = False
+        try:
+            prompt = body.get("prompt", body.get("input_ids"))
+            first = prompt[0] if isinstance(prompt, list) else 0
+            if self.fail and first % FAIL_MOD == 0:
+                err = {"message": f"prompt starts with {first}", "type": "BadRequestError"}
+                return web.json_response({"error": err}, status=400)
+            sglang = request.path == "/generate"
+            n = body["sampling_params"]["max_new_tokens"] if sglang else body["max_tokens"]
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+
+            async def send(obj) -> None:
+                await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+            if request.path == "/v1/chat/completions":  # a role chunk carries no content
+                await send(
+                    {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+                )
+            await asyncio.sleep(TTFT_S)
+            for i in range(n):
+                if i:
+                    await asyncio.sleep(ITL_S)
+                if self.fail and first % FAIL_MOD == 1 and i == 1:
+                    await send({"error": {"message": "engine died", "code": 500}})
+                    break
+                if sglang:
+                    meta = {"prompt_tokens": len(prompt), "completion_tokens": i + 1}
+                    await send({"text": "x" * (i + 1), "output_ids": list(range(i + 1)),
+                                "meta_info": meta})  # fmt: skip
+                elif request.path == "/v1/chat/completions":
+                    await send({"choices": [{"index": 0, "delta": {"content": "x"}}]})
+                else:
+                    await send({"choices": [{"index": 0, "text": "x"}], "usage": None})
+            opts = body.get("stream_options") or {}
+            if opts.get("include_usage") and not sglang:
+                usage = {"prompt_tokens": 1000 + n, "completion_tokens": n}
+                await send({"choices": [], "usage": usage})
+            self.in_flight -= 1  # before [DONE]: the client may send its next request then
+            done = True
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        finally:
+            if not done:
+                self.in_flight -= 1
+
+
+def _requests(num: int, output_len: int = 5, first_ids: list[int] | None = None):
+    firsts = first_ids or [2 + 7 * k for k in range(num)]  # % 7 == 2: never fails
+    return [ds.BenchRequest([f, 3, 4], output_len) for f in firsts[:num]]
+
+
+def _bench(server: ScriptedServer, requests, **cfg) -> object:
+    config = ClientConfig(server.url, model="scripted-model", **cfg)
+    return asyncio.run(run_benchmark(requests, config))
+
+
+# -- datasets ------------------------------------------------------------------------------
+
+
+def test_random_dataset_lengths_ids_and_seed():
+    pool = ds.token_pool(1000, special_ids=[0, 1, 2])
+    spec = ds.RandomSpec(num_prompts=300, input_len=40, output_len=20, range_ratio=0.5)
+    reqs = ds.random_requests(spec, pool, seed=5)
+    in_lens = [r.prompt_len for r in reqs]
+    out_lens = [r.output_len for r in reqs]
+    assert min(in_lens) >= 20 and max(in_lens) <= 40 and len(set(in_lens)) > 10
+    assert min(out_lens) >= 10 and max(out_lens) <= 20
+    ids = {i for r in reqs for i in r.prompt_ids}
+    assert not ids & {0, 1, 2} and max(ids) < 1000
+    assert ds.random_requests(spec, pool, seed=5) == reqs
+    assert ds.random_requests(spec, pool, seed=6) != reqs
+    fixed = ds.random_requests(msgspec_replace(spec, range_ratio=1.0), pool, seed=5)
+    assert {(r.prompt_len, r.output_len) for r in fixed} == {(40, 20)}
+    wide = ds.random_requests(msgspec_replace(spec, range_ratio=0.0), pool, seed=5)
+    assert min(r.prompt_len for r in wide) >= 1 and min(r.output_len for r in wide) >= 1
+
+
+def msgspec_replace(spec, **kw):
+    import msgspec
+
+    return msgspec.structs.replace(spec, **kw)
+
+
+def test_shared_prefix_dataset_shares_exactly_the_system_prompt():
+    spec = ds.SharedPrefixSpec(num_groups=3, prompts_per_group=4, system_prompt_len=50,
+                               question_len=10, output_len=7)  # fmt: skip
+    reqs = ds.shared_prefix_requests(spec, ds.token_pool(5000), seed=3)
+    assert len(reqs) == 12 and all(r.prompt_len == 60 and r.output_len == 7 for r in reqs)
+    assert [r.group_idx for r in reqs] == [0] * 4 + [1] * 4 + [2] * 4
+    prefixes = [tuple(r.prompt_ids[:50]) for r in reqs]
+    assert len(set(prefixes[:4])) == len(set(prefixes[4:8])) == 1
+    assert len(set(prefixes)) == 3
+    questions = {tuple(r.prompt_ids[50:]) for r in reqs}
+    assert len(questions) == 12
+    assert ds.shared_prefix_requests(spec, ds.token_pool(5000), seed=3) == reqs
+
+
+def test_dataset_arguments_are_checked():
+    with pytest.raises(ValueError, match="range ratio"):
+        ds.RandomSpec(10, 10, 10, range_ratio=1.5)
+    with pytest.raises(ValueError, match="input_len"):
+        ds.RandomSpec(10, 0, 10)
+    with pytest.raises(ValueError, match="every token"):
+        ds.token_pool(3, special_ids=[0, 1, 2])
+    with pytest.raises(ValueError, match="max_tokens"):
+        ds.with_output_len(_requests(2), 0)
+    texts = ds.with_text(_requests(2), lambda ids: ",".join(map(str, ids)))
+    assert texts[0].prompt_text == "2,3,4" and texts[0].prompt_ids == [2, 3, 4]
+
+
+def test_arrival_offsets_are_poisson_and_seeded():
+    assert arrival_offsets(4, math.inf, 0) == [0.0] * 4
+    a = arrival_offsets(4000, 50.0, seed=9)
+    assert a == arrival_offsets(4000, 50.0, seed=9) and a != arrival_offsets(4000, 50.0, seed=8)
+    gaps = np.diff(a)
+    assert a[0] == 0.0 and (gaps >= 0).all()
+    assert abs(gaps.mean() - 0.02) < 0.002  # mean gap 1 / rate
+    assert abs(np.median(gaps) - 0.02 * math.log(2)) < 0.002  # exponential, not uniform
+
+
+def test_payloads_carry_the_length_controls():
+    req = ds.BenchRequest([5, 6], 9)
+    cfg = ClientConfig("http://x", model="m", ignore_eos=True, extra_body={"top_k": 3})
+    body = payload(cfg, req)
+    assert body["prompt"] == [5, 6] and body["max_tokens"] == 9 and body["min_tokens"] == 9
+    assert body["ignore_eos"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["model"] == "m" and body["top_k"] == 3
+    sg = payload(ClientConfig("http://x", backend="sglang", ignore_eos=True), req)
+    assert sg["input_ids"] == [5, 6] and sg["sampling_params"]["min_new_tokens"] == 9
+    chat = ClientConfig("http://x", backend="openai-chat")
+    with pytest.raises(ValueError, match="text"):
+        payload(chat, req)
+    text = ds.BenchRequest([5, 6], 9, prompt_text="hi")
+    assert payload(chat, text)["messages"] == [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="request-rate"):
+        ClientConfig("http://x", request_rate=0.0)
+
+
+# -- metrics -------------------------------------------------------------------------------
+
+
+def test_summary_arithmetic():
+    rs = [
+        RequestResult(True, "", 10, 5, 0.1, [0.02, 0.02, 0.03, 0.03], 0.2, 0.0),
+        RequestResult(True, "", 20, 1, 0.3, [], 0.3, 0.5),
+        RequestResult(False, "HTTP 400: bad", 0, 0),
+    ]
+    s = summarize(rs, duration_s=2.0)
+    assert (s["completed"], s["failed"]) == (2, 1) and s["errors"] == {"HTTP 400: bad": 1}
+    assert s["total_input_tokens"] == 30 and s["output_token_throughput"] == 3.0
+    assert s["request_throughput"] == 1.0 and s["concurrency"] == pytest.approx(0.25)
+    assert s["mean_ttft_ms"] == pytest.approx(200.0) and s["median_e2e_ms"] == pytest.approx(250)
+    assert s["mean_tpot_ms"] == pytest.approx(25.0)  # (0.2 - 0.1) / 4, the 1-token request has none
+    assert s["median_itl_ms"] == pytest.approx(25.0) and s["max_itl_ms"] == pytest.approx(30.0)
+    empty = summarize([RequestResult(False, "x")], 1.0)
+    assert empty["completed"] == 0 and empty["mean_ttft_ms"] is None
+
+
+@pytest.mark.parametrize("backend", ["openai", "openai-chat", "sglang"])
+def test_ttft_itl_e2e_match_the_scripted_delays(backend):
+    reqs = _requests(3, output_len=5)
+    if backend == "openai-chat":
+        reqs = ds.with_text(reqs, str)
+    with ScriptedServer() as server:
+        run = _bench(server, reqs, backend=backend)
+    assert all(r.success for r in run.results), [r.error for r in run.results]
+    for r in run.results:
+        assert r.output_len == 5 and len(r.itl_s) == 4
+        assert TTFT_S - 0.002 <= r.ttft_s < TTFT_S + 0.05
+        assert all(ITL_S - 0.002 <= x < ITL_S + 0.05 for x in r.itl_s)
+        assert np.median(r.itl_s) < ITL_S + 0.015
+        assert r.e2e_s >= r.ttft_s + sum(r.itl_s) - 1e-6
+    # usage overrides the request's own count: the script reports 1000 + n prompt tokens
+    expected_prompt = 3 if backend == "sglang" else 1005
+    assert [r.prompt_len for r in run.results] == [expected_prompt] * 3
+    s = summarize(run.results, run.duration_s)
+    assert s["median_ttft_ms"] == pytest.approx(TTFT_S * 1e3, abs=25)
+    assert s["median_tpot_ms"] == pytest.approx(ITL_S * 1e3, abs=15)
+
+
+@pytest.mark.parametrize("bound", [2, None])
+def test_concurrency_never_exceeds_the_bound(bound):
+    reqs = _requests(6, output_len=2)
+    with ScriptedServer() as server:
+        run = _bench(server, reqs, max_concurrency=bound)
+        assert server.num_requests == 6
+        assert server.max_in_flight == (bound or 6)
+    assert run.max_in_flight == (bound or 6)
+    assert all(r.success for r in run.results)
+    if bound:  # three waves of two: each takes TTFT + ITL
+        assert run.duration_s >= 3 * (TTFT_S + ITL_S) - 0.005
+
+
+def test_request_rate_sends_on_the_seeded_schedule():
+    reqs = _requests(6, output_len=1)
+    with ScriptedServer() as server:
+        run = _bench(server, reqs, request_rate=25.0, seed=4)
+    expected = arrival_offsets(6, 25.0, seed=4)
+    sent = [r.start_s for r in run.results]
+    assert all(e - 0.002 <= s < e + 0.03 for s, e in zip(sent, expected)), (sent, expected)
+
+
+def test_failures_are_counted_with_their_error_text():
+    firsts = [7, 8, 9, 14, 15, 16]  # 7, 14 -> 400; 8, 15 -> error event; 9, 16 -> fine
+    reqs = _requests(6, output_len=3, first_ids=firsts)
+    with ScriptedServer(fail=True) as server:
+        run = _bench(server, reqs)
+    errors = [r.error for r in run.results]
+    assert errors[0] == "HTTP 400: prompt starts with 7"
+    assert errors[3] == "HTTP 400: prompt starts with 14"
+    assert errors[1] == errors[4] == "engine died"
+    assert [r.success for r in run.results] == [False, False, True, False, False, True]
+    s = summarize(run.results, run.duration_s)
+    assert (s["completed"], s["failed"]) == (2, 4)
+    assert s["errors"]["engine died"] == 2 and sum(s["errors"].values()) == 4
+
+
+def test_unreachable_server_fails_requests_without_raising():
+    cfg = ClientConfig("http://127.0.0.1:9", request_timeout_s=5)
+    run = asyncio.run(run_benchmark(_requests(2), cfg))
+    assert [r.success for r in run.results] == [False, False]
+    assert all("Connect" in r.error for r in run.results), run.results[0].error
+
+
+# -- the command line ----------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    """The command configures structlog onto the captured stderr; undo that after each test."""
+    yield
+    structlog.reset_defaults()
+    logging.getLogger().handlers.clear()
+
+
+def test_cli_end_to_end_json_last_line_output_file_and_plot(tmp_path, capsys):
+    png, out = tmp_path / "run.png", tmp_path / "run.json"
+    argv = ["bench", "serve", "--vocab-size", "700", "--num-prompts", "8", "--seed", "2",
+            "--random-input-len", "6", "--random-output-len", "3", "--random-range-ratio", "1",
+            "--max-concurrency", "4", "--ignore-eos", "--disable-tqdm", "--warmup-requests", "2",
+            "--output-file", str(out), "--plot", str(png)]  # fmt: skip
+    with ScriptedServer(fail=True) as server:
+        rc = main([*argv, "--base-url", server.url])
+        bodies = server.bodies
+    stdout = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(stdout[-1])
+    reqs = ds.random_requests(ds.RandomSpec(8, 6, 3, 1.0), ds.token_pool(700), seed=2)
+    num_bad = sum(r.prompt_ids[0] % FAIL_MOD in (0, 1) for r in reqs)
+    assert 0 < num_bad < 8 and reqs[0].prompt_ids[0] % FAIL_MOD > 1  # the seed's mix
+    assert rc == 0
+    assert (summary["completed"], summary["failed"]) == (8 - num_bad, num_bad)
+    for key in ("duration_s", "request_throughput", "input_token_throughput",
+                "output_token_throughput", "max_concurrency", "request_rate"):  # fmt: skip
+        assert key in summary
+    for m in ("ttft", "itl", "e2e", "tpot"):
+        assert {f"{s}_{m}_ms" for s in ("mean", "median", "p90", "p99")} <= summary.keys()
+    assert summary["max_concurrency"] == 4 and summary["max_in_flight"] <= 4
+    assert summary["request_rate"] == "inf"
+    assert any("Serving Benchmark Result" in line for line in stdout)
+    assert bodies[0]["model"] == "scripted-model"  # asked /v1/models
+    assert all(b["min_tokens"] == 3 and b["ignore_eos"] for b in bodies)
+    assert [b["prompt"] for b in bodies[:2]] == [reqs[0].prompt_ids] * 2  # the warm-up
+    assert bodies[0]["max_tokens"] == 3
+    timed = [b["prompt"] for b in bodies[2:]]
+    assert sorted(timed) == sorted(r.prompt_ids for r in reqs)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    record = json.loads(out.read_text())
+    assert record["summary"] == summary and len(record["requests"]) == 8
+
+
+def test_cli_failed_warmup_stops_before_the_run(capsys):
+    argv = ["bench", "serve", "--vocab-size", "700", "--num-prompts", "8", "--seed", "3",
+            "--random-input-len", "6", "--random-output-len", "3", "--disable-tqdm"]  # fmt: skip
+    with ScriptedServer(fail=True) as server:  # seed 3: the first prompt is refused
+        assert main([*argv, "--base-url", server.url]) == 1
+        assert server.num_requests == 1
+    assert "warm-up request failed: HTTP 400: prompt starts with" in capsys.readouterr().err
+
+
+def test_cli_bad_arguments_exit_2(capsys):
+    assert main(["bench", "serve", "--vocab-size", "50", "--request-rate", "0"]) == 2
+    assert "request-rate" in capsys.readouterr().err
+    assert main(["bench", "serve", "--vocab-size", "50", "--random-range-ratio", "2"]) == 2
+    assert main(["bench", "serve", "--vocab-size", "50", "--base-url", "http://127.0.0.1:9",
+                 "--num-prompts", "2"]) == 2  # fmt: skip
+    assert "cannot use the server" in capsys.readouterr().err

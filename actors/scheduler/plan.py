@@ -83,6 +83,8 @@ def plan_step(core: SchedulerCore, out: list[Msg]) -> ForwardBatch | None:
         _admit(core, builder, out, prefill_left, chunk_left, pages_left)
 
     core.num_held += builder.add_decodes(decodes, pool.pages, ps)
+    if not len(builder) and core.running and pool.cache_short and pool.outstanding is None:
+        _unstall(core, out)  # running requests wait for pages the cache cannot give
 
     core.lease_want = _want(core, builder)
     core.ahead_tokens = 0
@@ -250,6 +252,9 @@ def _add_extend(core: SchedulerCore, builder: BatchBuilder, r: Req, n: int, num_
     builder.add_extend(r, n, pages, sample=r.num_computed + n == len(r.all_ids))
 
 
+MAX_INSERTS_SCANNED = 64
+
+
 def _needs_refresh(core: SchedulerCore, r: Req) -> bool:
     """Whether the tree may have grown along r's prompt since r was matched: one of our
     own inserts since then starts with r's matched prefix plus at least one more page."""
@@ -260,17 +265,64 @@ def _needs_refresh(core: SchedulerCore, r: Req) -> bool:
     est = core.tree_version_estimate
     if r.tree_version >= est or r.refresh_version >= est:
         return False
-    probe = r.num_cached + core.config.page_size
+    start = r.num_cached
+    probe = start + core.config.page_size
     if probe > len(r.all_ids) - 1:
         return False  # no longer match is possible (one token must stay to compute)
-    head = r.all_ids[:probe]
+    next_page = r.all_ids[start:probe]
+    seen = max(r.tree_version, r.refresh_version)  # inserts up to here were checked
     log = core.insert_log
-    for version, extra_key, token_ids in reversed(log):
-        if version <= r.tree_version:
+    for i, (version, extra_key, token_ids) in enumerate(reversed(log)):
+        if version <= seen:
+            r.refresh_version = est  # nothing relevant: do not scan these again
             return False
-        if extra_key == r.extra_key and token_ids[:probe] == head:
+        if i == MAX_INSERTS_SCANNED:
+            return True  # too many to check cheaply: re-matching costs one round trip
+        if (
+            extra_key == r.extra_key
+            and token_ids[start:probe] == next_page  # cheap reject first
+            and token_ids[:start] == r.all_ids[:start]
+        ):
             return True
     return len(log) == log.maxlen  # history older than the log: assume it may have grown
+
+
+def _unstall(core: SchedulerCore, out: list[Msg]) -> None:
+    """No running request could take a step for lack of pages and the cache has none
+    to give: free some (park locked waiting matches, else retract one request, else
+    end a lone one); the lease that follows can then be granted."""
+    parkable = [r for r in core.waiting.values() if r.num_cached and not r.awaiting_match]
+    for r in parkable:
+        core.park(r, out)
+    if parkable:
+        return
+    running = list(core.running.values())
+    if len(running) == 1:
+        _abort_lone(core, running[0], out)
+        return
+    victim = min(running, key=lambda r: (r.num_output, -r.num_prompt))
+    core.retract(victim, out)
+    _raise_ratio(core)
+
+
+def _abort_lone(core: SchedulerCore, req: Req, out: list[Msg]) -> None:
+    core._emit(req, [], finish=FinishReason.ABORT)
+    core._n["aborted"] += 1
+    core._end_running(req, "aborted", out)
+
+
+def _raise_ratio(core: SchedulerCore) -> None:
+    cfg = core.config
+    running = list(core.running.values())
+    if running:
+        decoded = sum(r.num_output for r in running)
+        max_new = sum(r.sampling.max_new_tokens for r in running)
+        estimate = (decoded + cfg.retract_decode_steps * len(running)) / max(1, max_new)
+        # Raise the reserve: at least back to its initial value (SGLang sets it to
+        # this estimate; taking the max never lowers it on a retraction).
+        core.new_token_ratio = min(
+            1.0, max(core.new_token_ratio, estimate, cfg.init_new_token_ratio)
+        )
 
 
 def _retract_for(
@@ -285,10 +337,7 @@ def _retract_for(
     if len(victims) == 1:
         # One request alone cannot grow even after the cache was asked since our last
         # release (the rest of the pool is locked by matches): end it rather than stall.
-        (last,) = victims
-        core._emit(last, [], finish=FinishReason.ABORT)
-        core._n["aborted"] += 1
-        core._end_running(last, "aborted", out)
+        _abort_lone(core, victims[0], out)
         decodes.clear()
         prefilling.clear()
         return 0
@@ -304,16 +353,7 @@ def _retract_for(
             prefilling.remove(v)
         core.retract(v, out)
         alive -= 1
-    running = list(core.running.values())
-    if running:
-        decoded = sum(r.num_output for r in running)
-        max_new = sum(r.sampling.max_new_tokens for r in running)
-        estimate = (decoded + cfg.retract_decode_steps * len(running)) / max(1, max_new)
-        # Raise the reserve: at least back to its initial value (SGLang sets it to
-        # this estimate; taking the max never lowers it on a retraction).
-        core.new_token_ratio = min(
-            1.0, max(core.new_token_ratio, estimate, cfg.init_new_token_ratio)
-        )
+    _raise_ratio(core)
     return need
 
 

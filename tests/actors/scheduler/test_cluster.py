@@ -290,9 +290,9 @@ def fuzz(seed: int, num_deliveries: int) -> Cluster:
     return c
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("seed", [1, 2, 3, 15])
 def test_seeded_fuzz(seed):
-    fuzz(seed, 3000)
+    fuzz(seed, 4000)
 
 
 @pytest.mark.heavy

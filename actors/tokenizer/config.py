@@ -21,6 +21,14 @@ class TokenizerConfig(msgspec.Struct, frozen=True, kw_only=True):
     context_len: int | None = None
     """Longest sequence (prompt + output) in tokens; None reads it from the model."""
 
+    stream_interval: int = 1
+    """--stream-interval: a streamed request gets a delta every this many tokens (the
+    first and the last delta are never held back)."""
+
+    non_stream_interval: int = 32
+    """The same for requests that are not streamed (their client sees only the end, so
+    fewer, larger deltas cost less); at least stream_interval."""
+
     cache_dir: str | None = None
     """Where converted tokenizers (from GGUF metadata) are kept between starts; None is
     ~/.cache/shunter/tokenizers."""
@@ -41,6 +49,11 @@ class TokenizerConfig(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.context_len is not None and self.context_len < 2:
             raise ValueError(f"context_len must be >= 2, got {self.context_len}")
+        if self.stream_interval < 1 or self.non_stream_interval < 1:
+            raise ValueError(
+                f"stream intervals must be >= 1, got {self.stream_interval}, "
+                f"{self.non_stream_interval}"
+            )
         if self.max_stop_strings < 0:
             raise ValueError(f"max_stop_strings must be >= 0, got {self.max_stop_strings}")
         if self.max_stop_len_chars < 1:

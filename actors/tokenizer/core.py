@@ -8,7 +8,9 @@ vocabulary and the context length, and the model's eos ids join `stop_token_ids`
 (unless `ignore_eos`; the scheduler checks ids). A request that cannot run becomes
 `RequestFailed` (http 400) and nothing else.
 
-Outbound, each `TokensOut` (one scheduler step) becomes one `TextDeltas`. Every running
+Outbound, each `TokensOut` (one scheduler step) becomes one `TextDeltas` holding the
+deltas that are due: a request's first and last delta always, the others once
+`stream_interval` tokens (`non_stream_interval` when not streamed) are pending. Every running
 request owns an incremental detokenizer and a stop-string matcher (detok.py). When a stop
 string matches, the request's last delta carries finish_reason "stop" and the matched
 string, and an `AbortRequest(reason="stop_string")` tells the scheduler to stop it; the
@@ -78,18 +80,36 @@ class _Active:
     """Output state of one running request."""
 
     __slots__ = (
-        "detok", "first", "num_output_tokens", "num_prompt_tokens", "prompt_ids", "sampling",
-        "stops",
+        "detok", "first", "held", "num_deltas", "num_output_tokens", "num_prompt_tokens",
+        "prompt_ids", "sampling", "stops", "stream",
     )  # fmt: skip
 
-    def __init__(self, detok, stops, sampling, num_prompt_tokens, prompt_ids) -> None:
+    def __init__(self, detok, stops, sampling, num_prompt_tokens, prompt_ids, stream) -> None:
         self.detok: IncrementalDetokenizer = detok
         self.stops: StopStringMatcher = stops
         self.sampling = sampling
         self.num_prompt_tokens: int = num_prompt_tokens
         self.num_output_tokens = 0
         self.first = True
+        self.stream: bool = stream
+        self.held: TextDelta | None = None  # output not sent yet (stream_interval)
+        self.num_deltas = 0
         self.prompt_ids: list[int] = prompt_ids  # kept only when prompt logprobs are asked
+
+
+def _merge(a: TextDelta, b: TextDelta) -> TextDelta:
+    """One delta holding a's output followed by b's (b is the later one)."""
+    return msgspec.structs.replace(
+        b,
+        text=a.text + b.text,
+        token_ids=a.token_ids + b.token_ids,
+        logprobs=a.logprobs + b.logprobs,
+        top_logprobs=a.top_logprobs + b.top_logprobs,
+        prompt_logprobs=a.prompt_logprobs + b.prompt_logprobs,
+        token_texts=a.token_texts + b.token_texts,
+        prompt_token_ids=a.prompt_token_ids or b.prompt_token_ids,
+        prompt_token_texts=a.prompt_token_texts or b.prompt_token_texts,
+    )
 
 
 class _Invalid(Exception):
@@ -231,6 +251,7 @@ class TokenizerCore:
             sampling,
             n,
             ids if sp.logprob_start_len >= 0 else [],
+            req.stream,
         )
         self._num_tokenized += 1
         return Tokenized(
@@ -247,6 +268,13 @@ class TokenizerCore:
             if state is None:  # ended here (stop string) or from outside: late output
                 continue
             delta, matched = self._delta(state, out)
+            if state.held is not None:
+                delta = _merge(state.held, delta)
+                state.held = None
+            if not self._due(state, delta):
+                state.held = delta  # coalesced into a later delta (stream_interval)
+                continue
+            state.num_deltas += 1
             deltas.append(delta)
             if delta.finish_reason is not None:
                 del self._active[out.request_id]
@@ -254,6 +282,17 @@ class TokenizerCore:
                 if matched is not None and out.finish_reason is None:
                     aborts.append(AbortRequest(out.request_id, "stop_string", matched))
         return ([TextDeltas(deltas)] if deltas else []) + aborts
+
+    def _due(self, state: _Active, delta: TextDelta) -> bool:
+        """Send now? Always the first delta (time to first token) and the last; otherwise
+        once stream_interval tokens are pending (non_stream_interval for requests that
+        are not streamed: their client sees only the end)."""
+        if delta.finish_reason is not None or state.num_deltas == 0:
+            return True
+        interval = self.config.stream_interval
+        if not state.stream:
+            interval = max(interval, self.config.non_stream_interval)
+        return len(delta.token_ids) >= interval
 
     def _delta(self, state: _Active, out: RequestOutput) -> tuple[TextDelta, str | None]:
         sp = state.sampling

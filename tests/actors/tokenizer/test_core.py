@@ -244,3 +244,23 @@ def test_template_that_refuses_input_is_a_400(codec):
         _gen("c", messages=[ChatMessage("user", "hi")])
     )
     assert isinstance(f, RequestFailed) and "no chat template" in f.message
+
+
+@pytest.mark.parametrize(
+    ("stream", "interval", "expected"), [(True, 1, 1), (True, 3, 3), (False, 3, 8)]
+)
+def test_deltas_are_coalesced_by_stream_interval(codec, stream, interval, expected):
+    core = TokenizerCore(codec, TokenizerConfig(context_len=256, stream_interval=interval,
+                                                non_stream_interval=8))  # fmt: skip
+    core.handle(_gen("i", text="q", stream=stream, sampling={"return_logprob": True}))
+    ids = codec.encode("one two three four five six seven eight nine ten eleven twelve")
+    sizes = []
+    for k, i in enumerate(ids):
+        fr = "length" if k == len(ids) - 1 else None
+        for m in core.handle(_tokens("i", [i], k, finish_reason=fr, logprobs=[-1.0])):
+            sizes += [len(d.token_ids) for d in m.deltas]
+            for d in m.deltas:
+                assert len(d.logprobs) == len(d.token_ids) == len(d.token_texts)
+    assert sizes[0] == 1  # the first token is never held (time to first token)
+    assert all(s == expected for s in sizes[1:-1])
+    assert sum(sizes) == len(ids)

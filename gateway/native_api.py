@@ -165,6 +165,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
                 input_ids=inp if isinstance(inp, list) else None,
                 stream=body.stream, priority=body.priority or 0, arrival_ns=now_ns,
             ))  # fmt: skip
+    if len(gens) > ctx.limits.max_prompts:
+        raise bad_request(
+            f"{len(gens)} requests (inputs x n); at most {ctx.limits.max_prompts} per call",
+            param="sampling_params.n",
+        )
     many = batch or len(gens) > 1
     ctx.engine.check_available()
     start_s = time.monotonic()

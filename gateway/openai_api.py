@@ -107,6 +107,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 echo_texts.append(reply.text)
     base_id = req.rid or new_id("cmpl-")
     num = len(prompts) * req.n
+    if num > ctx.limits.max_prompts:
+        raise bad_request(
+            f"{len(prompts)} prompts x n={req.n} is {num} choices; at most "
+            f"{ctx.limits.max_prompts} per request",
+            param="n",
+        )
     now_ns = time.monotonic_ns()
     gens = [
         GenerateRequest(

@@ -59,6 +59,8 @@ def _assert_error(r, status, param=None, code=None, words=None):
         ("/v1/completions", {"prompt": [1, "a"]}, 400, "prompt", None),
         ("/v1/completions", {"prompt": "x", "logprobs": 99}, 400, "logprobs", None),
         ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of", None),
+        ("/v1/completions", {"prompt": ["a"] * 200, "n": 2}, 400, "n", "400 choices"),
+        ("/generate", {"text": ["a"] * 200, "sampling_params": {"n": 2}}, 400, "sampling_params.n", None),
         ("/generate", {"sampling_params": {}}, 400, "text", "exactly one"),
         ("/generate", {"text": "x", "input_ids": [1]}, 400, "text", "exactly one"),
         ("/generate", {"input_ids": [[1], []]}, 400, "input_ids", None),
@@ -246,3 +248,17 @@ def test_admin_abort_ends_a_running_request(stack):
     while "adm-1" in stack.engine.running and time.monotonic() < deadline:
         time.sleep(0.02)
     assert any(a.request_id == "adm-1" and a.reason == "admin" for a in stack.engine.aborts)
+
+
+def test_a_request_id_in_flight_cannot_be_reused(stack):
+    import threading
+
+    t = threading.Thread(target=lambda: _post(stack, "/generate", {"text": "SLOW", "rid": "dup-1"}))
+    t.start()
+    deadline = time.monotonic() + 5
+    while "dup-1" not in stack.engine.running and time.monotonic() < deadline:
+        time.sleep(0.02)
+    r = _post(stack, "/generate", {"text": "x", "rid": "dup-1"})
+    _assert_error(r, 400, param="rid", code="duplicate_request_id")
+    assert _post(stack, "/abort_request", {"rid": "dup-1"}).json()["num_aborted"] == 1
+    t.join(5)

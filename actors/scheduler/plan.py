@@ -83,8 +83,11 @@ def plan_step(core: SchedulerCore, out: list[Msg]) -> ForwardBatch | None:
         _admit(core, builder, out, prefill_left, chunk_left, pages_left)
 
     core.num_held += builder.add_decodes(decodes, pool.pages, ps)
-    if not len(builder) and core.running and pool.cache_short and pool.outstanding is None:
-        _unstall(core, out)  # running requests wait for pages the cache cannot give
+    if not len(builder) and pool.cache_short and pool.outstanding is None:
+        if core.running:
+            _unstall(core, out)  # running requests wait for pages the cache cannot give
+        elif core.admission_deficit and not core.paused_by:
+            _unstall_admission(core, out)
 
     core.lease_want = _want(core, builder)
     core.ahead_tokens = 0
@@ -303,6 +306,16 @@ def _unstall(core: SchedulerCore, out: list[Msg]) -> None:
     victim = min(running, key=lambda r: (r.num_output, -r.num_prompt))
     core.retract(victim, out)
     _raise_ratio(core)
+
+
+def _unstall_admission(core: SchedulerCore, out: list[Msg]) -> None:
+    """Nothing runs and the next request cannot be admitted: the pages it needs are
+    pinned by the matches of the requests queued behind it. Park those."""
+    order = [r for r in core.order.order(core.waiting.values(), core.now_ns)
+             if not r.awaiting_match]  # fmt: skip
+    for r in order[1:]:
+        if r.num_cached:
+            core.park(r, out)
 
 
 def _abort_lone(core: SchedulerCore, req: Req, out: list[Msg]) -> None:

@@ -159,6 +159,26 @@ def test_abort_races_with_steps_and_matches():
     assert c.finished("a2").finish_reason in ("length", "stop")
 
 
+def test_matches_queued_behind_the_head_are_parked_when_they_pin_its_pages():
+    cfg = SchedulerConfig(page_size=1, max_running_requests=4, lease_min_pages=1,
+                          lease_max_surplus_pages=0, chunked_prefill_size=-1)  # fmt: skip
+    c = Cluster(cfg, 40)
+    for i in range(3):  # their prompts end up cached: 3 x 12 pages of the 40
+        c.submit(tokenized(f"seed{i}", range(100 * i, 100 * i + 12), 1))
+    c.run()
+    c.send_sched(FlipBegin("hold", "x"))
+    c.submit(tokenized("head", range(5000, 5020), 2))  # 20 fresh tokens
+    for i in range(3):  # followers lock the cached prompts while they wait
+        c.submit(tokenized(f"follow{i}", [*range(100 * i, 100 * i + 12), 7], 2))
+    c.run()
+    cs = c.cache.statistics()
+    assert cs.num_locked_pages >= 24 and cs.num_free < 20  # the head cannot fit as things are
+    c.send_sched(FlipDone("hold", 0, True))
+    c.run()
+    check_quiet(c, ["head", "follow0", "follow1", "follow2"])
+    assert c.sched.statistics().num_parked >= 1 and c.finished("head").finish_reason == "length"
+
+
 # ---- a state machine over random interleavings --------------------------------------
 
 

@@ -63,7 +63,7 @@ async def health_generate(request: web.Request) -> web.Response:
     )
     try:
         async with asyncio.timeout(ctx.config.health_timeout_s):
-            async with generation(ctx, [req]) as group:
+            async with generation(ctx, [req], tracked=False) as group:
                 async for _ in group:
                     pass
     except TimeoutError:

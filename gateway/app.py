@@ -104,9 +104,11 @@ async def sse_done(resp: web.StreamResponse) -> None:
 
 
 @contextlib.asynccontextmanager
-async def generation(ctx: Ctx, requests: list[GenerateRequest]) -> AsyncIterator[RequestGroup]:
+async def generation(
+    ctx: Ctx, requests: list[GenerateRequest], *, tracked: bool = True
+) -> AsyncIterator[RequestGroup]:
     """Publish `requests`; on leaving, abort those that have not finished."""
-    group = await ctx.engine.generate(requests)
+    group = await ctx.engine.generate(requests, tracked=tracked)
     reason = "client"
     try:
         yield group

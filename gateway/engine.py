@@ -71,9 +71,10 @@ def draw_seed() -> int:
 class RequestStream:
     """One request's bookkeeping; its outputs go to its group's queue."""
 
-    def __init__(self, group: RequestGroup, request_id: str) -> None:
+    def __init__(self, group: RequestGroup, request_id: str, tracked: bool = True) -> None:
         self.group = group
         self.request_id = request_id
+        self.tracked = tracked  # counted in metrics (health probes are not)
         self.done = False  # saw its end (or was aborted)
         self.arrival_s = time.monotonic()
         self.first_s: float | None = None
@@ -85,10 +86,10 @@ class RequestGroup:
     """The requests of one HTTP call (n choices, several prompts): their outputs arrive
     on one queue, in the order the engine produced them."""
 
-    def __init__(self, engine: Engine, request_ids: list[str]) -> None:
+    def __init__(self, engine: Engine, request_ids: list[str], tracked: bool = True) -> None:
         self.engine = engine
         self.queue: asyncio.Queue[TextDelta | RequestFailed] = asyncio.Queue()
-        self.streams = [RequestStream(self, rid) for rid in request_ids]
+        self.streams = [RequestStream(self, rid, tracked) for rid in request_ids]
         self.index = {rid: i for i, rid in enumerate(request_ids)}
         self.num_open = len(request_ids)
 
@@ -168,8 +169,9 @@ class Engine:
     def _route(self, s: RequestStream, d: TextDelta, now: float) -> None:
         if s.first_s is None:
             s.first_s = now
-            self.metrics.first_token(now - s.arrival_s)
-        else:
+            if s.tracked:
+                self.metrics.first_token(now - s.arrival_s)
+        elif s.tracked:
             self.metrics.tokens(len(d.token_ids), now - (s.last_s or now))
         s.last_s = now
         s.last = d
@@ -180,6 +182,15 @@ class Engine:
             self._finished(s, d.finish_reason, d, now)
 
     def _finished(self, s: RequestStream, reason: str, d: TextDelta | None, now: float) -> None:
+        log.debug(
+            "request finished", request_id=s.request_id, finish_reason=reason,
+            num_prompt_tokens=d.num_prompt_tokens if d else 0,
+            num_completion_tokens=d.num_completion_tokens if d else 0,
+            num_cached_tokens=d.num_cached_tokens if d else 0,
+            e2e_s=round(now - s.arrival_s, 6),
+        )  # fmt: skip
+        if not s.tracked:
+            return
         self.metrics.request_finished(
             reason,
             num_prompt_tokens=d.num_prompt_tokens if d else 0,
@@ -194,7 +205,8 @@ class Engine:
         if s is None:
             return
         s.done = True
-        self.metrics.request_failed()
+        if s.tracked:
+            self.metrics.request_failed()
         if failure is not None:
             s.group.queue.put_nowait(failure)
         else:  # timed out: the engine may still hold it
@@ -212,18 +224,22 @@ class Engine:
             raise APIError(503, f"the server is shutting down ({self.shutting_down})",
                            code="shutting_down")  # fmt: skip
 
-    async def generate(self, requests: list[GenerateRequest]) -> RequestGroup:
-        """Register and publish requests; their group (streams in the same order)."""
+    async def generate(
+        self, requests: list[GenerateRequest], *, tracked: bool = True
+    ) -> RequestGroup:
+        """Register and publish requests; their group (streams in the same order).
+        Untracked requests (health probes) stay out of the metrics."""
         self.check_available()
         ids = [r.request_id for r in requests]
         taken = [rid for rid in ids if rid in self.streams]
         if taken or len(set(ids)) != len(ids):
             raise APIError(400, f"request id {(taken or ids)[0]!r} is already in flight",
                            param="rid", code="duplicate_request_id")  # fmt: skip
-        group = RequestGroup(self, ids)
+        group = RequestGroup(self, ids, tracked)
         for s in group.streams:
             self.streams[s.request_id] = s
-        self.metrics.request_started(len(ids))
+        if tracked:
+            self.metrics.request_started(len(ids))
         try:
             for r in requests:
                 await self.bus.publish(r)

@@ -69,6 +69,10 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     no_stop_trim: bool = False
     priority: int = 0
     rid: str | None = None
+    regex: Any = None
+    ebnf: Any = None
+    json_schema: Any = None
+    structural_tag: Any = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -158,6 +162,11 @@ def sampling_from(
     req: _SamplingFields, *, max_new_tokens: int, return_logprob: bool, top_logprobs_num: int
 ) -> SamplingParams:
     """OpenAI request -> SamplingParams, checking every range (seed is set per choice)."""
+    for name in ("regex", "ebnf", "json_schema", "structural_tag", "stop_regex"):
+        if getattr(req, name, None) is not None:
+            raise bad_request(
+                f"{name}: constrained decoding is not supported by this server", param=name
+            )
     t = 1.0 if req.temperature is None else req.temperature
     _check(0.0 <= t <= 100.0, f"temperature must be between 0 and 100, got {t}", "temperature")
     top_p = 1.0 if req.top_p is None else req.top_p
@@ -310,6 +319,11 @@ class NativeSamplingParams(msgspec.Struct, kw_only=True):
     seed: int | None = None
     sampling_seed: int | None = None
     logit_bias: dict[str, float] | None = None
+    regex: Any = None
+    ebnf: Any = None
+    json_schema: Any = None
+    structural_tag: Any = None
+    stop_regex: Any = None
 
     @property
     def min_tokens(self) -> int:

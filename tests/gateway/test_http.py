@@ -59,6 +59,8 @@ def _assert_error(r, status, param=None, code=None, words=None):
         ("/v1/completions", {"prompt": [1, "a"]}, 400, "prompt", None),
         ("/v1/completions", {"prompt": "x", "logprobs": 99}, 400, "logprobs", None),
         ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of", None),
+        ("/v1/completions", {"prompt": "x", "regex": "[a-z]+"}, 400, "regex", "not supported"),
+        ("/generate", {"text": "x", "sampling_params": {"json_schema": "{}"}}, 400, "json_schema", None),
         ("/v1/completions", {"prompt": ["a"] * 200, "n": 2}, 400, "n", "400 choices"),
         ("/generate", {"text": ["a"] * 200, "sampling_params": {"n": 2}}, 400, "sampling_params.n", None),
         ("/generate", {"sampling_params": {}}, 400, "text", "exactly one"),
@@ -197,11 +199,20 @@ def test_client_disconnect_aborts_the_request(stack):
 
 def test_health_metrics_info_and_flush(stack):
     assert requests.get(stack.url + "/health", timeout=5).status_code == 200
+
+    def scrape():
+        text = requests.get(stack.url + "/metrics", timeout=5).text
+        return text, {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line and not line.startswith("#") and "_bucket" not in line}  # fmt: skip
+
+    _, before = scrape()
     assert requests.get(stack.url + "/health_generate", timeout=5).status_code == 200
+    _, after = scrape()
+    for name in ("sglang:num_requests_total", "sglang:prompt_tokens_total",
+                 "sglang:e2e_request_latency_seconds_count"):  # fmt: skip
+        assert after[name] == before[name], name  # probes are not counted
     _post(stack, "/v1/chat/completions", {**CHAT, "max_tokens": 4})
-    text = requests.get(stack.url + "/metrics", timeout=5).text
-    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line and not line.startswith("#") and "_bucket" not in line}  # fmt: skip
+    text, values = scrape()
     assert values["sglang:prompt_tokens_total"] > 0
     assert values["sglang:generation_tokens_total"] >= 4
     assert values["sglang:time_to_first_token_seconds_count"] >= 1

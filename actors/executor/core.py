@@ -205,7 +205,7 @@ class ExecutorCore:
         off = 0
         for e in entries:
             if e.prompt_lp_from >= 0:
-                logits_idx += range(off, off + len(e.ids))
+                logits_idx += range(off + _first_lp_pos(e) - e.start, off + len(e.ids))
             elif e.sample:
                 logits_idx.append(off + len(e.ids) - 1)
             off += len(e.ids)
@@ -260,8 +260,9 @@ class ExecutorCore:
         for e in entries:
             n = len(e.ids)
             if e.prompt_lp_from >= 0:
-                prompt_logprobs[e.row_idx] = self._prompt_logprobs(e, logits[off : off + n])
-                off += n
+                k = e.start + n - _first_lp_pos(e)
+                prompt_logprobs[e.row_idx] = self._prompt_logprobs(e, logits[off : off + k])
+                off += k
                 if e.sample:
                     sample_rows.append(e.row_idx)
                     sample_logit_idx.append(off - 1)
@@ -298,21 +299,29 @@ class ExecutorCore:
         )
 
     def _prompt_logprobs(self, e: Entry, logits: torch.Tensor) -> list[float]:
-        """Logprobs of this entry's prompt tokens at positions prompt_lp_from .. end-1.
+        """Logprobs of this entry's prompt tokens at positions max(prompt_lp_from, start)
+        .. end - 1.
 
-        logits: [n, V] float32 of the entry's tokens; logits at position p score the
-        token at p + 1. The entry's first token is scored by the previous chunk's last
-        logits when this row computed them (kept in row.prompt_lp), else NaN (position 0,
-        or a prefix that came from the cache)."""
+        logits: [k, V] float32 at positions _first_lp_pos(e) .. end - 1; logits at
+        position p score the token at p + 1. The entry's first token is scored by the
+        previous chunk's last logits when this row computed them (kept in row.prompt_lp),
+        else NaN (position 0, or a prefix that came from the cache)."""
         row = self._rows[e.row_idx]
-        n = len(e.ids)
-        out: list[float] = []
-        if n > 1:
-            out = token_logprobs(logits[:-1], torch.tensor(e.ids[1:]))
-        first = math.nan
-        if row.prompt_lp is not None:
-            first = float(row.prompt_lp[e.ids[0]])
+        end = e.start + len(e.ids)
+        lo = max(e.prompt_lp_from, e.start)
+        values: list[float] = []
+        if lo == e.start < end:
+            values.append(math.nan if row.prompt_lp is None else float(row.prompt_lp[e.ids[0]]))
+        q0 = max(lo, e.start + 1)  # first position scored by this entry's own logits
+        if q0 < end:
+            first = _first_lp_pos(e)
+            scored = logits[q0 - 1 - first : end - 1 - first]  # [end - q0, V]
+            values += token_logprobs(scored, torch.tensor(e.ids[q0 - e.start :]))
         # Keep the last position's distribution for the next chunk (a sample ends the prompt).
         row.prompt_lp = None if e.sample else torch.log_softmax(logits[-1], dim=-1)
-        values = [first, *out]  # positions e.start .. e.start + n - 1
-        return values[e.prompt_lp_from - e.start :]
+        return values
+
+
+def _first_lp_pos(e: Entry) -> int:
+    """First position whose logits a prompt-logprob entry needs (the last one always)."""
+    return min(max(e.start, e.prompt_lp_from - 1), e.start + len(e.ids) - 1)

@@ -171,6 +171,14 @@ def test_chunked_prefill_and_prompt_logprobs(model):
     r = drv3.step([(0, ids)], opens=[open_row(0, later)])
     assert r.prompt_logprobs[0] == pytest.approx(whole[30:], abs=1e-4)
     assert r.logprobs == []  # nobody asked for output logprobs
+    # ... and when it falls inside the second of three chunks.
+    drv4 = Driver(make_core(model))
+    mid = SamplingParams(temperature=0.0, logprob_start_len=12)
+    parts = [drv4.step([(0, ids[:10])], opens=[open_row(0, mid)], sample=[False]),
+             drv4.step([(0, ids[10:25])], sample=[False]), drv4.step([(0, ids[25:])])]  # fmt: skip
+    assert [len(p.prompt_logprobs[0]) for p in parts] == [0, 13, len(ids) - 25]
+    got = [v for p in parts for v in p.prompt_logprobs[0]]
+    assert got == pytest.approx(whole[12:], abs=1e-4)
 
 
 def test_seeded_sampling_reproduces_in_other_batches(model):
@@ -266,3 +274,22 @@ def test_resumed_request_continues_its_seeded_stream(model):
     out = res.token_ids + drv.step([(4, [LAST_SAMPLED])]).token_ids
     out += drv.step([(4, [LAST_SAMPLED])]).token_ids
     assert out == first[3:]
+
+
+@pytest.mark.heavy
+def test_bench_executor_prints_a_json_summary_last():
+    """`shunter bench executor` end to end, small, our engine only."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "shunter", "bench", "executor", "--skip-hf", "--decode-steps", "2",
+         "--batch-sizes", "1,3", "--prefill-len", "16", "--decode-prompt-len", "8",
+         "--repeats", "1", "--page-size", "4"],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("prefill_tok_s", "decode_tok_s_bs1", "decode_tok_s_bs3"):
+        assert summary[key] > 0
+    assert "hf_prefill_tok_s" not in summary

@@ -10,6 +10,9 @@ RequestFailed, ActorDied, TokenizeQuery, DetokenizeQuery), publishes `Ready(acto
 "tokenizer", info={context_len, vocab_size})`, then feeds every message to
 `TokenizerCore.handle` and publishes what it returns, in order. Runs until cancelled.
 
+Prompts over OFFLOAD_CHARS characters are tokenized in a worker thread (one message at a
+time still), so a huge prompt does not stall the other actors of an embedded server.
+
 A failure inside the core while handling one request is that request's failure
 (`RequestFailed(code="internal", http_status=500)`), logged with its traceback; the
 actor keeps serving the others.
@@ -37,6 +40,20 @@ from shunter.bus.messages import (
 from shunter.bus.transport import Bus
 
 log = structlog.get_logger(actor="tokenizer")
+
+
+# Prompts longer than this (characters) are tokenized in a worker thread, so that in the
+# embedded deployment a huge prompt does not stall every other actor's loop meanwhile.
+# Messages are still handled one at a time and in order.
+OFFLOAD_CHARS = 16384
+
+
+def _is_heavy(msg: Msg) -> bool:
+    match msg:
+        case GenerateRequest() | TokenizeQuery():
+            num_chars = len(msg.text or "") + sum(len(m.content) for m in msg.messages or ())
+            return num_chars > OFFLOAD_CHARS
+    return False
 
 
 def _failure_replies(msg: Msg, error: Exception) -> list[Msg]:
@@ -68,10 +85,14 @@ async def run(config: TokenizerConfig, bus: Bus, *, codec: TextCodec | None = No
         )
         log.info("tokenizer ready", actor_id=config.actor_id)
         async for received in sub:
+            msg = received.msg
             try:
-                outs = core.handle(received.msg)
+                if _is_heavy(msg):
+                    outs = await anyio.to_thread.run_sync(core.handle, msg)
+                else:
+                    outs = core.handle(msg)
             except Exception as e:
                 log.exception("tokenizer core failed", topic=received.topic)
-                outs = _failure_replies(received.msg, e)
+                outs = _failure_replies(msg, e)
             for out in outs:
                 await bus.publish(out)

@@ -81,3 +81,20 @@ def test_core_failure_fails_only_that_request(codec):
         assert isinstance((await sub.receive()).msg, Tokenized)
 
     anyio.run(_run_with, _Broken(codec), body)
+
+
+def test_long_prompt_is_tokenized_off_the_loop_in_order(codec):
+    long_text = "lorem ipsum " * 3000  # over OFFLOAD_CHARS
+
+    async def body(probe, sub, ready):
+        assert len(long_text) > actor.OFFLOAD_CHARS
+        await probe.publish(
+            GenerateRequest("long", SamplingParams(max_new_tokens=1), text=long_text)
+        )
+        await probe.publish(GenerateRequest("short", SamplingParams(max_new_tokens=1), text="hi"))
+        first, second = (await sub.receive()).msg, (await sub.receive()).msg
+        assert isinstance(first, RequestFailed) and first.request_id == "long"  # > 256 tokens
+        assert first.code == "context_length_exceeded"
+        assert isinstance(second, Tokenized) and second.request_id == "short"
+
+    anyio.run(_run_with, codec, body)

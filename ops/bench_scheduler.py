@@ -2,7 +2,8 @@
 
 Two figures:
 
-- decode step cost: `--num-running` requests (default 256) decoding in steady state;
+- decode step cost: `--num-running` requests (default 256) decoding in steady state
+  (median CPU time of the step's thread; wall-clock medians are reported beside);
   one step = the scheduler core handling a StepResult (append tokens, stop checks,
   TokensOut) and planning the next ForwardBatch (row diffs, page draws, census), with
   the occasional LeaseGranted it asks for. Reported core-only, and with the bus codec
@@ -109,32 +110,41 @@ def decode_step_bench(
     assert len(batch.rows) == num_running and batch.input_ids[0] == -1
 
     core_s: list[float] = []
+    core_cpu_s: list[float] = []
     for _ in tqdm(range(steps), desc="decode steps (core)", file=sys.stderr, leave=False):
         res = _result_for(batch, 1234)
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         out = d.handle(res)
         core_s.append(time.perf_counter() - t0)
+        core_cpu_s.append(time.thread_time() - c0)
         batch = _batch_of(out)
 
     decoder = Decoder(INBOX_TYPES)
     env = Envelope("executor.0", 0, 0, 0)
     codec_s: list[float] = []
+    codec_cpu_s: list[float] = []
     for _ in tqdm(range(steps), desc="decode steps (+codec)", file=sys.stderr, leave=False):
         body = encode_body(_result_for(batch, 1234))
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         out = d.handle(decoder.decode(body))
         for m in out:
             encode(m, env)
         codec_s.append(time.perf_counter() - t0)
+        codec_cpu_s.append(time.thread_time() - c0)
         batch = _batch_of(out)
     stats = d.core.statistics()
     assert stats.num_running == num_running and stats.num_finished == 0
     n = num_running
+    # Headline figures are medians of the thread's CPU time per step: on a shared,
+    # loaded machine wall time also counts the slices other processes took; both kept.
     return {
-        f"decode_step_us_{n}": statistics.median(core_s) * 1e6,
-        f"decode_step_us_{n}_mean": statistics.fmean(core_s) * 1e6,
-        f"decode_step_us_{n}_p99": sorted(core_s)[int(0.99 * (len(core_s) - 1))] * 1e6,
-        f"decode_step_us_{n}_with_codec": statistics.median(codec_s) * 1e6,
+        f"decode_step_us_{n}": statistics.median(core_cpu_s) * 1e6,
+        f"decode_step_us_{n}_with_codec": statistics.median(codec_cpu_s) * 1e6,
+        f"decode_step_wall_us_{n}": statistics.median(core_s) * 1e6,
+        f"decode_step_wall_us_{n}_p99": sorted(core_s)[int(0.99 * (len(core_s) - 1))] * 1e6,
+        f"decode_step_wall_us_{n}_with_codec": statistics.median(codec_s) * 1e6,
         "batch_bytes": len(encode_body(batch)),
     }
 
@@ -169,9 +179,9 @@ def run(args: argparse.Namespace) -> int:
     )
     n = args.num_running
     print(
-        f"decode step at {n} running: {summary[f'decode_step_us_{n}']:.1f} us core "
-        f"(median; p99 {summary[f'decode_step_us_{n}_p99']:.1f}), "
-        f"{summary[f'decode_step_us_{n}_with_codec']:.1f} us with the bus codec",
+        f"decode step at {n} running: {summary[f'decode_step_us_{n}']:.1f} us core CPU "
+        f"({summary[f'decode_step_wall_us_{n}']:.1f} wall), "
+        f"{summary[f'decode_step_us_{n}_with_codec']:.1f} us with the bus codec (medians)",
         file=sys.stderr,
     )
     if n == 256:

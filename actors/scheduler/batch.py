@@ -70,6 +70,14 @@ class BatchBuilder:
         self.entries += [(r, 1, True) for r in reqs]
         new_pages = self.new_pages
         counts = self.num_new_pages
+        if page_size == 1:  # every decode starts a page: draw them in one slice
+            taken = pool_pages[len(pool_pages) - n :]
+            del pool_pages[len(pool_pages) - n :]
+            for r, page in zip(reqs, taken):
+                r.pages.append(page)
+            new_pages += taken
+            counts += [1] * n
+            return n
         drawn = 0
         for r, start in zip(reqs, starts):
             pages = r.pages

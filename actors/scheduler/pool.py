@@ -63,9 +63,6 @@ class LeasePool:
         del self.pages[-n:]
         return taken
 
-    def take_one(self) -> int:
-        return self.pages.pop()
-
     def give_back(self, n: int) -> LeaseReturned:
         return LeaseReturned(pages=self.take(n))
 

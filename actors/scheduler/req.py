@@ -15,10 +15,10 @@ Invariants
 
 from __future__ import annotations
 
-from shunter.bus.messages import FinishReason, Matched, SamplingParams
+from shunter.bus.messages import Matched, SamplingParams
 
 WAITING = "waiting"  # in the waiting queue, holding only its matched prefix
-RUNNING = "running"  # holds a row; prefilling (num_computed < len(all_ids) - 1) or decoding
+RUNNING = "running"  # holds a row; prefilling (its row has not sampled yet) or decoding
 RETRACTED = "retracted"  # released for lack of KV; waits for the cache manager's new Matched
 PARKED = "parked"  # waiting, but its match released under KV pressure (unlocked, so the
 # tree may evict it); sent to the cache manager again (Tokenized) when pressure eases
@@ -75,7 +75,9 @@ class Req:
         self.num_cached_reported = m.num_cached_tokens
         self.state = WAITING
         self.row = -1
-        self.row_sampled = False  # its row sampled a token: it decodes from LAST_SAMPLED
+        self.row_sampled = False  # its row sampled a token: it decodes (LAST_SAMPLED);
+        # until then it is prefilling (a first prefill, or a re-prefill after a
+        # retraction, possibly in chunks)
         self.enqueue_seq = enqueue_seq
         self.enqueued_ns = enqueued_ns
         self.seed = seed
@@ -122,24 +124,5 @@ class Req:
     def num_held_pages(self) -> int:
         return len(self.pages) - self.num_tree_pages
 
-    @property
-    def prefilling(self) -> bool:
-        """Its row has not sampled yet (a first prefill, or a re-prefill after a
-        retraction, possibly in chunks)."""
-        return not self.row_sampled
-
     def remaining_new_tokens(self) -> int:
         return max(0, self.sampling.max_new_tokens - self.num_output)
-
-
-def check_stop(req: Req, token_id: int, max_context_len: int) -> tuple[str, int | None] | None:
-    """After `token_id` was appended to `req.all_ids`: (finish_reason, matched_stop) or None.
-
-    Order: a stop token (once min_new_tokens are out) wins over the length limits, so a
-    request whose last allowed token is eos reports "stop" with matched_stop."""
-    n = req.num_output
-    if token_id in req.stop_ids and n >= req.sampling.min_new_tokens:
-        return FinishReason.STOP, token_id
-    if n >= req.sampling.max_new_tokens or len(req.all_ids) >= max_context_len:
-        return FinishReason.LENGTH, None
-    return None

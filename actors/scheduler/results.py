@@ -58,6 +58,8 @@ def apply_result(core: SchedulerCore, res: StepResult, out: list[Msg]) -> None:
         num_generated += 1
         num_output = len(all_ids) - req.num_prompt
         sp = req.sampling
+        # A stop token (once min_new_tokens are out) wins over the length limits, so a
+        # request whose last allowed token is eos reports "stop" with matched_stop.
         if token in req.stop_ids and num_output >= sp.min_new_tokens:
             finish, matched = FinishReason.STOP, token
         elif num_output >= sp.max_new_tokens or len(all_ids) >= max_context_len:

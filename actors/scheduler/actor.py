@@ -60,13 +60,15 @@ async def run(
     config: SchedulerConfig,
     bus: Bus,
     *,
-    actor_id: str = "scheduler",
+    actor_id: str | None = None,
     tick_interval_s: float = 0.25,
     task_status: anyio.abc.TaskStatus[SchedulerCore] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the scheduler until cancelled (or the bus closes)."""
+    """Serve the scheduler until cancelled (or the bus closes). `actor_id` defaults to
+    the bus's publisher id; replay looks for "scheduler" unless told otherwise."""
     if tick_interval_s <= 0:
         raise ValueError(f"tick_interval_s must be > 0, got {tick_interval_s}")
+    actor_id = actor_id or bus.publisher_id  # the name it has on the bus, by default
     core = SchedulerCore(config)
     log = structlog.get_logger("shunter.scheduler").bind(actor="scheduler", actor_id=actor_id)
     types = (*CORE_INBOX, HealthPing)

@@ -143,9 +143,10 @@ class Stack:
 
     reply = REPLY
 
-    def __init__(self, codec, config: GatewayConfig) -> None:
+    def __init__(self, codec, config: GatewayConfig, transport: str = "inproc") -> None:
         self.codec = codec
         self.config = config
+        self.transport = transport
         self.port: int | None = None
         self.engine: ScriptedEngine | None = None
         self._ready = threading.Event()
@@ -174,24 +175,42 @@ class Stack:
     async def _main(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        hub = InProcHub()
-        self.test_bus = hub.connect("test")
+        if self.transport == "zmq":  # the same actors over ZMQ ipc through a real broker
+            import tempfile
+
+            from shunter.bus import Broker, ZmqBus, default_endpoints
+
+            endpoints = default_endpoints(tempfile.mkdtemp(prefix="shunter-gw-"))
+            broker = Broker(endpoints.frontend, endpoints.backend)
+            broker.start()
+
+            def connect(pid):
+                return ZmqBus(pid, endpoints)
+        else:
+            broker, connect = None, InProcHub().connect
+        self.test_bus = connect("test")
         tok_cfg = TokenizerConfig(context_len=CONTEXT_LEN)
-        async with anyio.create_task_group() as tg:
-            self.engine = ScriptedEngine(hub.connect("scheduler"), self.codec)
-            await tg.start(self.engine.run)
-            tok_bus = hub.connect("tokenizer")
-            ready_sub = self.test_bus.subscribe("health.ready")
-            tg.start_soon(lambda: tokenizer_actor.run(tok_cfg, tok_bus, codec=self.codec))
-            await ready_sub.receive()
-            self.port = await tg.start(
-                lambda task_status: gateway_actor.run(
-                    self.config, hub.connect("gateway"), port=0, task_status=task_status
+        try:
+            async with anyio.create_task_group() as tg:
+                self.engine = ScriptedEngine(connect("scheduler"), self.codec)
+                await tg.start(self.engine.run)
+                tok_bus = connect("tokenizer")
+                ready_sub = self.test_bus.subscribe("health.ready")
+                await ready_sub.wait_connected()
+                tg.start_soon(lambda: tokenizer_actor.run(tok_cfg, tok_bus, codec=self.codec))
+                await ready_sub.receive()
+                self.port = await tg.start(
+                    lambda task_status: gateway_actor.run(
+                        self.config, connect("gateway"), port=0, task_status=task_status
+                    )
                 )
-            )
-            self._ready.set()
-            await self._stop.wait()
-            tg.cancel_scope.cancel()
+                await self.test_bus.wait_connected()
+                self._ready.set()
+                await self._stop.wait()
+                tg.cancel_scope.cancel()
+        finally:
+            if broker is not None:
+                broker.stop()
 
     def call(self, fn, timeout: float = 10.0):
         """Run `await fn()` on the stack's loop and return its result."""
@@ -212,12 +231,12 @@ def codec():
     return load_codec(TokenizerConfig())
 
 
-def _stack(codec, **overrides):
+def _stack(codec, transport="inproc", **overrides):
     cfg = GatewayConfig(
         served_model_name="smollm2", max_context_len=CONTEXT_LEN, enable_metrics=True,
         health_timeout_s=1.5, model_path="/models/smollm2.gguf", **overrides,
     )  # fmt: skip
-    return Stack(codec, cfg).start()
+    return Stack(codec, cfg, transport).start()
 
 
 @pytest.fixture(scope="module")
@@ -231,8 +250,8 @@ def stack(codec):
 def stack_factory(codec):
     made = []
 
-    def make(**overrides):
-        s = _stack(codec, **overrides)
+    def make(transport="inproc", **overrides):
+        s = _stack(codec, transport, **overrides)
         made.append(s)
         return s
 

@@ -1,0 +1,177 @@
+"""End to end against the real server process (default model): the OpenAI API through
+the `openai` client, SGLang's /generate with raw HTTP, greedy parity with the reference,
+prefix caching, and the 4xx classes of bad input."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import urllib.request
+
+import openai
+import pytest
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(
+        base_url=server.base_url + "/v1", api_key="none", timeout=120, max_retries=0
+    )
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    models = client.models.list().data
+    assert len(models) == 1
+    return models[0].id
+
+
+def post(server, path, body, timeout_s=120.0):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(server.base_url + path, data=data,
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_greedy_generate_equals_the_reference_ids(server, reference):
+    """Every reference prompt in one batched /generate (they decode side by side)."""
+    prompts = reference["prompts"]
+    status, body = post(server, "/generate", {
+        "input_ids": [p["input_ids"] for p in prompts],
+        "sampling_params": {"temperature": 0, "max_new_tokens": 32},
+    })  # fmt: skip
+    assert status == 200, body
+    outs = json.loads(body)
+    assert len(outs) == len(prompts)
+    for p, out in zip(prompts, outs, strict=True):
+        assert out["output_ids"] == p["output_ids"], p["name"]
+        # the reference text was decoded with special tokens; the API skips them
+        assert out["text"] == p["output_text"].replace("<|im_end|>", ""), p["name"]
+        meta = out["meta_info"]
+        assert meta["prompt_tokens"] == len(p["input_ids"])
+        assert meta["completion_tokens"] == len(p["output_ids"])
+        assert meta["finish_reason"]["type"] == ("stop" if p["stopped_on_eos"] else "length")
+
+
+def test_chat_applies_the_template_and_matches_the_reference(client, model, reference):
+    p = next(p for p in reference["prompts"] if p["name"] == "capital")  # stops at eos
+    r = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": p["prompt"]}], temperature=0,
+        max_tokens=32,
+    )  # fmt: skip
+    assert r.choices[0].message.content == p["output_text"].replace("<|im_end|>", "")
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == "stop"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(p["input_ids"]),
+                                                                  len(p["output_ids"]))  # fmt: skip
+
+
+def test_completion_stream_equals_the_non_streamed_text(client, model):
+    kw = dict(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
+    whole = client.completions.create(**kw)
+    chunks = list(
+        client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text and text
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert (
+        chunks[-1].choices == []
+        and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    )
+
+
+def test_chat_stream_starts_with_the_role_and_ends_once(client, model):
+    chunks = list(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8,
+        temperature=0, stream=True,
+    ))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason) == 1
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_logprobs_and_top_logprobs(client, model):
+    r = client.completions.create(model=model, prompt="One, two, three,", max_tokens=5,
+                                  temperature=0, logprobs=3)  # fmt: skip
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == r.usage.completion_tokens == 5
+    assert all(x <= 0 for x in lp.token_logprobs)
+    for sampled, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 3
+        assert max(top.values()) == pytest.approx(sampled, abs=1e-4)  # greedy takes the top one
+    c = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    content = c.choices[0].logprobs.content
+    assert len(content) == c.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+
+
+def test_n_choices_with_a_seed_are_reproducible(client, model):
+    kw = dict(model=model, prompt="Once upon a time", max_tokens=4, temperature=1.0, n=3, seed=42)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert sorted(c.index for c in a.choices) == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert 3 <= a.usage.completion_tokens <= 12
+
+
+def test_generate_streaming_framing(server):
+    body = json.dumps({"text": "Hello", "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+                       "stream": True}).encode()  # fmt: skip
+    req = urllib.request.Request(server.base_url + "/generate", data=body,
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    texts = [p["text"] for p in payloads]
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))  # cumulative text
+    assert payloads[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(payloads[-1]["output_ids"]) == 6
+
+
+def test_a_repeated_prompt_reports_cached_tokens(client, model):
+    prompt = "Here is a long shared preamble about caching. " * 8 + "Now answer:"
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens > 64
+    assert second.usage.prompt_tokens - 1 >= cached >= 64, cached  # all but the last token
+    assert second.choices[0].text == first.choices[0].text
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "fragment"),
+    [
+        ("/v1/completions", b"{not json", 400, "JSON"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "x", "n": 100000}, 400, "n"),
+        ("/v1/completions", {"prompt": "x", "model": "no-such-model"}, 404, "no-such-model"),
+        ("/v1/completions", {"prompt": "word " * 9000, "max_tokens": 4}, 400, "context"),
+        ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+        ("/generate", {"input_ids": [10**9], "sampling_params": {"max_new_tokens": 1}}, 400, ""),
+        ("/generate", {"sampling_params": {}}, 400, ""),
+    ],
+)  # fmt: skip
+def test_bad_input_is_a_4xx_with_an_error_body(server, path, body, status, fragment):
+    got, raw = post(server, path, body)
+    assert got == status, raw
+    err = json.loads(raw)["error"]
+    assert err["message"] and fragment.lower() in json.dumps(err).lower()
+
+
+def test_the_server_is_healthy_after_all_that(server):
+    assert server.get("/health")[0] == 200
+    status, body = server.get("/get_server_info")
+    assert status == 200 and json.loads(body)["max_prefill_tokens"] == 16384

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 @dataclass(frozen=True)
 class DecodePlan:
     kv_indices: torch.Tensor  # [B, max_len] int64 slots, padded with 0
-    mask: torch.Tensor  # [B, 1, 1, max_len] bool, True where the key is attended
+    mask: torch.Tensor | None  # [B, 1, 1, max_len] bool, True = attended; None = all
     kv_lens: torch.Tensor  # [B] int64
 
 
@@ -43,9 +43,10 @@ def plan_decode(
     mask = pos[None, :] < lens[:, None]
     if sliding_window is not None:
         mask &= pos[None, :] > (lens[:, None] - 1 - sliding_window)
+    needed = sliding_window is not None or int(lens.min()) != idx.shape[1]
     return DecodePlan(
         kv_indices=idx.to(device),
-        mask=mask[:, None, None, :].to(device),
+        mask=mask[:, None, None, :].to(device) if needed else None,
         kv_lens=lens.to(device),
     )
 

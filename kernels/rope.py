@@ -69,15 +69,33 @@ def apply_rope_ref(
     )
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, H, D]; cos, sin: [T, 1, D/2] in x's dtype
+def rope_gather(
+    cos_sin_cache: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Once per step: (cos, sin), each [T, 1, D/2] float32, for positions [T] int64."""
+    if positions.numel() and int(positions.max()) >= cos_sin_cache.shape[0]:
+        raise ValueError(
+            f"position {int(positions.max())} beyond the rope table ({cos_sin_cache.shape[0]})"
+        )
+    half = cos_sin_cache.shape[-1] // 2
+    cs = cos_sin_cache.index_select(0, positions)[:, None, :]  # [T, 1, D]
+    return cs[..., :half], cs[..., half:]
+
+
+def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] (any row stride, last axis contiguous) by the angles of
+    `rope_gather`; returns a new contiguous tensor of x's dtype. Computed as
+    x1*cos - x2*sin, x2*cos + x1*sin with separate roundings, exactly as HF does."""
+    if x.dtype != torch.float32:
+        return rope_rotate(x.float(), cos, sin).to(x.dtype)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    out = torch.empty_like(x)
-    torch.mul(x1, cos, out=out[..., :half])
-    out[..., :half] -= x2 * sin
-    torch.mul(x2, cos, out=out[..., half:])
-    out[..., half:] += x1 * sin
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=o1)
+    o1.sub_(x2 * sin)
+    torch.mul(x2, cos, out=o2)
+    o2.add_(x1 * sin)
     return out
 
 
@@ -86,15 +104,5 @@ def apply_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, H, D] and k [T, Hkv, D] at positions [T] int64; returns new tensors.
     cos_sin_cache: [max_pos, D] float32 from `rope_cos_sin_cache` (on q's device)."""
-    if positions.numel() and int(positions.max()) >= cos_sin_cache.shape[0]:
-        raise ValueError(
-            f"position {int(positions.max())} beyond the rope table ({cos_sin_cache.shape[0]})"
-        )
-    half = cos_sin_cache.shape[-1] // 2
-    cs = cos_sin_cache.index_select(0, positions)  # [T, D] float32
-    if q.dtype != torch.float32:
-        # Rotate in float32 and round once, as HF does.
-        cos, sin = cs[:, None, :half], cs[:, None, half:]
-        return _rotate(q.float(), cos, sin).to(q.dtype), _rotate(k.float(), cos, sin).to(k.dtype)
-    cos, sin = cs[:, None, :half], cs[:, None, half:]
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    cos, sin = rope_gather(cos_sin_cache, positions)
+    return rope_rotate(q, cos, sin), rope_rotate(k, cos, sin)

@@ -25,7 +25,7 @@ from torch import nn
 from shunter.actors.executor.models.attention import AttentionContext, paged_attention
 from shunter.actors.executor.models.config import ModelConfig
 from shunter.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
-from shunter.kernels.rope import apply_rope, rope_cos_sin_cache
+from shunter.kernels.rope import rope_cos_sin_cache, rope_gather, rope_rotate
 from shunter.kernels.silu_mul import silu_mul
 
 
@@ -60,19 +60,20 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        positions: torch.Tensor,  # [T] int64
-        cos_sin: torch.Tensor,  # [max_pos, head_dim] float32
+        rope: tuple[torch.Tensor, torch.Tensor],  # (cos, sin) [T, 1, D/2] float32
         ctx: AttentionContext,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q + 2 kv]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qk_size = self.q_size + self.kv_size
+        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, positions, cos_sin)
+            q = self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : qk_size].view(num_tokens, self.num_kv_heads, -1))
+            q, k = rope_rotate(q, *rope), rope_rotate(k, *rope)
+        else:  # q and k rotated in one pass: [T, H + Hkv, D]
+            qk = rope_rotate(qkv[:, :qk_size].view(num_tokens, -1, self.head_dim), *rope)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         o = paged_attention(ctx, self.layer_idx, q, k, v, self.scale)  # [T, H, D]
         return self.o_proj(o.reshape(num_tokens, self.q_size))
 
@@ -101,8 +102,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         x: torch.Tensor,  # [T, hidden]: this layer's input before its norm
         residual: torch.Tensor | None,  # [T, hidden]; None at layer 0
-        positions: torch.Tensor,
-        cos_sin: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         ctx: AttentionContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
@@ -110,7 +110,7 @@ class LlamaDecoderLayer(nn.Module):
             h = self.input_layernorm(x)
         else:
             h, residual = fused_add_rmsnorm(x, residual, self.input_layernorm.weight, self.eps)
-        h = self.self_attn(h, positions, cos_sin, ctx)
+        h = self.self_attn(h, rope, ctx)
         h, residual = fused_add_rmsnorm(h, residual, self.post_attention_layernorm.weight, self.eps)
         return self.mlp(h), residual
 
@@ -130,9 +130,10 @@ class LlamaModel(nn.Module):
         ctx: AttentionContext,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = rope_gather(cos_sin, positions)  # shared by every layer
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, positions, cos_sin, ctx)
+            x, residual = layer(x, residual, rope, ctx)
         x, _ = fused_add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)
         return x  # [T, hidden]
 

@@ -331,22 +331,15 @@ class TokenizerCore:
         first = state.first
         state.first = False
         prompt_ids = state.prompt_ids if first else []
+        # Positional (the hot path); lists from the decoded message are not copied, as
+        # neither messages nor deltas are ever mutated.
         return TextDelta(
-            out.request_id,
-            text,
-            list(ids),
-            logprobs=list(out.logprobs),
-            top_logprobs=top,
-            prompt_logprobs=list(out.prompt_logprobs),
-            finish_reason=finish_reason,
-            matched_stop=matched_stop,
-            num_prompt_tokens=out.num_prompt_tokens or state.num_prompt_tokens,
-            num_completion_tokens=state.num_output_tokens,
-            num_cached_tokens=out.num_cached_tokens,
-            token_texts=[self.codec.token_text(i) for i in ids] if want_lp else [],
-            prompt_token_ids=prompt_ids,
-            prompt_token_texts=[self.codec.token_text(i) for i in prompt_ids],
-        ), matched
+            out.request_id, text, ids, out.logprobs, top, out.prompt_logprobs, finish_reason,
+            matched_stop, out.num_prompt_tokens or state.num_prompt_tokens,
+            state.num_output_tokens, out.num_cached_tokens,
+            [self.codec.token_text(i) for i in ids] if want_lp else [],
+            prompt_ids, [self.codec.token_text(i) for i in prompt_ids],
+        ), matched  # fmt: skip
 
     # -- queries -------------------------------------------------------------------------
 

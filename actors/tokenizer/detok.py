@@ -27,6 +27,7 @@ Invariants
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -58,9 +59,16 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
     ) -> None:
-        self._decoder = decoder
-        self._skip = skip_special_tokens
-        self._spaces = spaces_between_special_tokens
+        # One bound function per request: this runs for every token of every request.
+        fast = getattr(decoder, "decode_fn", None)
+        if fast is not None:
+            self._decode = fast(skip_special_tokens, spaces_between_special_tokens)
+        else:
+            self._decode = functools.partial(
+                decoder.decode,
+                skip_special_tokens=skip_special_tokens,
+                spaces_between_special_tokens=spaces_between_special_tokens,
+            )
         ctx = list(context_ids)
         # A context that itself ends mid-character would corrupt the first difference.
         if ctx and REPLACEMENT_CHAR in self._decode(ctx):
@@ -68,11 +76,6 @@ class IncrementalDetokenizer:
         self._ids: list[int] = ctx
         self._prefix_offset = 0
         self._read_offset = len(ctx)
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self._decoder.decode(
-            ids, skip_special_tokens=self._skip, spaces_between_special_tokens=self._spaces
-        )
 
     @property
     def num_held_ids(self) -> int:
@@ -121,6 +124,7 @@ class StopStringMatcher:
         self._stops = [s for s in stops if s]
         self._no_trim = no_stop_trim
         self._max_len = max((len(s) for s in self._stops), default=0)
+        self._first_chars = frozenset(s[0] for s in self._stops)
         self.pending = ""
 
     def push(self, chunk: str, *, final: bool = False) -> tuple[str, str | None]:
@@ -149,8 +153,12 @@ class StopStringMatcher:
         return buf[: len(buf) - hold], None
 
     def _held_suffix_len(self, buf: str) -> int:
-        for k in range(min(len(buf), self._max_len - 1), 0, -1):
-            tail = buf[-k:]
+        first_chars = self._first_chars
+        n = len(buf)
+        for k in range(min(n, self._max_len - 1), 0, -1):
+            if buf[n - k] not in first_chars:
+                continue
+            tail = buf[n - k :]
             if any(s.startswith(tail) for s in self._stops):
                 return k
         return 0

@@ -15,12 +15,13 @@ thread in async code.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import pathlib
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
@@ -91,6 +92,17 @@ class TextCodec:
         if run:
             parts.append(self.tk.decode(run, skip_special_tokens=False))
         return " ".join(parts)
+
+    def decode_fn(
+        self, skip_special_tokens: bool, spaces_between_special_tokens: bool
+    ) -> Callable[[Sequence[int]], str]:
+        """`decode` with its flags bound, as cheap as possible (the detokenizer's hot path)."""
+        if skip_special_tokens or not spaces_between_special_tokens:
+            tk_decode = self.tk.decode
+            return lambda ids: tk_decode(ids, skip_special_tokens=skip_special_tokens)
+        return functools.partial(
+            self.decode, skip_special_tokens=False, spaces_between_special_tokens=True
+        )
 
     def token_text(self, token_id: int) -> str:
         """The text of one token on its own (logprob entries); special tokens included."""

@@ -66,6 +66,10 @@ class _Broken:
             raise RuntimeError("decoder exploded")
         return self._codec.decode(ids, **k)
 
+    def decode_fn(self, skip, spaces):
+        return lambda ids: self.decode(ids, skip_special_tokens=skip,
+                                       spaces_between_special_tokens=spaces)  # fmt: skip
+
 
 def test_core_failure_fails_only_that_request(codec):
     async def body(probe, sub, ready):

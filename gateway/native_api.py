@@ -9,7 +9,8 @@ Output per request: `{"text", "output_ids", "meta_info": {"id", "finish_reason",
 "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency", ...logprobs}}`;
 a batch (or n > 1) answers a list. `finish_reason` is None while running, then
 `{"type": "stop", "matched": str | int}`, `{"type": "length", "length": n}` or
-`{"type": "abort"}`. Logprob entries are `[logprob, token_id, text]`.
+`{"type": "abort"}`. Logprob entries are `[logprob, token_id, text]` (text only with
+`return_text_in_logprobs`, as in SGLang).
 
 Streaming sends `data: {...}\\n\\n` per delta with *cumulative* text and output_ids (as
 SGLang does by default), plus "index" in a batch, then `data: [DONE]\\n\\n`.

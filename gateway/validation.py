@@ -340,6 +340,6 @@ class GenerateBody(msgspec.Struct, kw_only=True):
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
-    return_text_in_logprobs: bool = True
+    return_text_in_logprobs: bool = False  # SGLang's default: entries are [logprob, id, None]
     rid: str | list[str] | None = None
     priority: int | None = None

@@ -133,7 +133,8 @@ def test_sse_framing_openai_and_native(stack):
 
 def test_native_generate_single_batch_and_logprobs(stack):
     r = _post(stack, "/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 3},
-                                   "return_logprob": True, "top_logprobs_num": 1, "rid": "my-rid"})  # fmt: skip
+                                   "return_logprob": True, "top_logprobs_num": 1, "rid": "my-rid",
+                                   "return_text_in_logprobs": True})  # fmt: skip
     out = r.json()
     meta = out["meta_info"]
     assert meta["id"] == "my-rid" and meta["completion_tokens"] == 3
@@ -153,6 +154,7 @@ def test_native_generate_single_batch_and_logprobs(stack):
     entries = r.json()["meta_info"]["input_token_logprobs"]
     assert [e[1] for e in entries] == ids[1:]
     assert [e[0] for e in entries] == [-1.0] * (len(ids) - 1)
+    assert all(e[2] is None for e in entries)  # no texts unless return_text_in_logprobs
     r = _post(
         stack, "/generate", {"input_ids": [[5, 6], [7]], "sampling_params": {"max_new_tokens": 50}}
     )

@@ -64,14 +64,14 @@ def _inputs(body: GenerateBody) -> tuple[list[str | list[int]], bool]:
         raise bad_request("input_ids must not be empty", param="input_ids")
 
     def is_id(x) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+        return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**31
 
     if all(is_id(x) for x in ids):
         return [list(ids)], False
     if all(isinstance(x, list) and x and all(is_id(i) for i in x) for x in ids):
         return [list(x) for x in ids], True
     raise bad_request(
-        "input_ids must be a non-empty list of token ids (>= 0) or a list of such lists",
+        "input_ids must be a non-empty list of token ids (in [0, 2^31)) or a list of such lists",
         param="input_ids",
     )
 

@@ -42,6 +42,7 @@ from shunter.gateway.formats import Acc, chat_logprobs, completion_logprobs, usa
 from shunter.gateway.validation import (
     ChatCompletionRequest,
     CompletionRequest,
+    TokenId,
     chat_messages,
     check_max_tokens,
     check_model,
@@ -329,7 +330,7 @@ class TokenizeBody(msgspec.Struct, kw_only=True):
 
 class DetokenizeBody(msgspec.Struct, kw_only=True):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
     skip_special_tokens: bool = False
 
 

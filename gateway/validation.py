@@ -8,7 +8,7 @@ Ranges are checked after decoding; each failure names its parameter (`param`).
 from __future__ import annotations
 
 import re
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
@@ -16,6 +16,13 @@ from shunter.bus.messages import ChatMessage, SamplingParams
 from shunter.gateway.errors import APIError, bad_request
 
 T = TypeVar("T")
+
+# Bounded integer types: a number past 64 bits would fail to encode on the bus (a 500),
+# so the schema rejects it with a 400 naming the field.
+I64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+Seed = Annotated[int, msgspec.Meta(ge=0, le=2**62)]  # choice k uses seed + k
+Priority = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 _MISSING = re.compile(r"missing required field `([^`]*)`")
 
@@ -47,27 +54,27 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     SGLang/vLLM extensions that clients pass through extra_body)."""
 
     model: str | None = None
-    n: int = 1
+    n: I64 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: I64 | None = None
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop_token_ids: list[TokenId] | None = None
+    seed: Seed | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    min_tokens: int = 0
+    min_tokens: I64 = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
-    priority: int = 0
+    priority: Priority = 0
     rid: str | None = None
     regex: Any = None
     ebnf: Any = None
@@ -77,10 +84,10 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: str | list[Any]
-    max_tokens: int | None = 16
+    max_tokens: I64 | None = 16
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: I64 | None = None
+    best_of: I64 | None = None
     suffix: str | None = None
 
 
@@ -102,10 +109,10 @@ class ResponseFormat(msgspec.Struct):
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessageIn]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: I64 | None = None
+    max_completion_tokens: I64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: I64 | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: ResponseFormat | None = None
@@ -204,7 +211,8 @@ def sampling_from(
             raise bad_request(
                 f"logit_bias keys must be token ids, got {k!r}", param="logit_bias"
             ) from None
-        _check(tid >= 0, f"logit_bias token id must be >= 0, got {tid}", "logit_bias")
+        _check(0 <= tid < 2**31, f"logit_bias token id must be in [0, 2^31), got {tid}",
+               "logit_bias")  # fmt: skip
         _check(
             -100.0 <= v <= 100.0, f"logit_bias values must be in [-100, 100], got {v}", "logit_bias"
         )
@@ -264,7 +272,7 @@ def completion_prompts(prompt: str | list[Any], limits: Limits) -> list[str | li
     )
     for p in prompts:
         if isinstance(p, list):
-            _check(all(i >= 0 for i in p), "token ids must be >= 0", "prompt")
+            _check(all(0 <= i < 2**31 for i in p), "token ids must be in [0, 2^31)", "prompt")
     return prompts
 
 
@@ -300,24 +308,24 @@ def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
 class NativeSamplingParams(msgspec.Struct, kw_only=True):
     """`sampling_params` of SGLang's /generate."""
 
-    max_new_tokens: int = 128
+    max_new_tokens: I64 = 128
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: I64 | None = None
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    min_new_tokens: int = 0
+    min_new_tokens: I64 = 0
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
-    n: int = 1
-    seed: int | None = None
-    sampling_seed: int | None = None
+    n: I64 = 1
+    seed: Seed | None = None
+    sampling_seed: Seed | None = None
     logit_bias: dict[str, float] | None = None
     regex: Any = None
     ebnf: Any = None
@@ -338,8 +346,8 @@ class GenerateBody(msgspec.Struct, kw_only=True):
     sampling_params: NativeSamplingParams | list[NativeSamplingParams] | None = None
     stream: bool = False
     return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
+    logprob_start_len: I64 = -1
+    top_logprobs_num: I64 = 0
     return_text_in_logprobs: bool = False  # SGLang's default: entries are [logprob, id, None]
     rid: str | list[str] | None = None
-    priority: int | None = None
+    priority: Priority | None = None

@@ -162,7 +162,10 @@ def _hf_dir_facts(path: str) -> tuple[int | None, list[int]]:
 
 
 def default_cache_dir() -> pathlib.Path:
-    return pathlib.Path.home() / ".cache" / "shunter" / "tokenizers"
+    try:
+        return pathlib.Path.home() / ".cache" / "shunter" / "tokenizers"
+    except RuntimeError:  # no home directory (a bare service account)
+        return pathlib.Path(tempfile.gettempdir()) / "shunter-tokenizers"
 
 
 def _cache_key(source: pathlib.Path) -> str:

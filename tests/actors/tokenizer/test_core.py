@@ -264,3 +264,22 @@ def test_deltas_are_coalesced_by_stream_interval(codec, stream, interval, expect
     assert sizes[0] == 1  # the first token is never held (time to first token)
     assert all(s == expected for s in sizes[1:-1])
     assert sum(sizes) == len(ids)
+
+
+def test_hf_directory_loads_without_conversion(codec, tmp_path):
+    """A model directory with tokenizer.json: facts come from config.json and
+    generation_config.json (eos lists), the template from chat_template.jinja."""
+    import json as _json
+
+    from shunter.actors.tokenizer.loading import load_codec
+
+    codec.tk.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(_json.dumps({"eos_token": "<|im_end|>"}))
+    (tmp_path / "config.json").write_text(_json.dumps({"max_position_embeddings": 2048}))
+    (tmp_path / "generation_config.json").write_text(_json.dumps({"eos_token_id": [0, 2]}))
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content }}!")
+    c = load_codec(TokenizerConfig(model_path=str(tmp_path), cache_dir=str(tmp_path / "cache")))
+    assert (c.context_len, c.eos_token_ids, c.vocab_size) == (2048, (0, 2), 49152)
+    assert c.render_chat([ChatMessage("user", "hey")], add_generation_prompt=True) == "hey!"
+    assert c.encode("héllo 😀") == codec.encode("héllo 😀")
+    assert not (tmp_path / "cache").exists()  # nothing to convert

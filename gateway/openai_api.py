@@ -94,7 +94,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     sampling = sampling_from(
         req, max_new_tokens=max_new, return_logprob=lp is not None, top_logprobs_num=lp or 0
     )
-    prompt_lps = req.echo and lp is not None and not req.stream
+    prompt_lps = req.echo and lp is not None
     if prompt_lps:  # echo with logprobs scores the prompt too (from position 0)
         sampling = msgspec.structs.replace(sampling, logprob_start_len=0)
     ctx.engine.check_available()
@@ -130,7 +130,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             "model": ctx.config.served_model_name}  # fmt: skip
     echo_of = (lambda k: echo_texts[k // req.n]) if req.echo else (lambda k: "")
     if req.stream:
-        return await _stream_completions(request, ctx, req, gens, head, echo_of, lp)
+        return await _stream_completions(request, ctx, req, gens, head, echo_of, lp, prompt_lps)
     accs = [Acc() for _ in gens]
     async with generation(ctx, gens) as group:
         async for k, d in group:
@@ -158,7 +158,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _stream_completions(
-    request, ctx: Ctx, req, gens, head, echo_of, lp
+    request, ctx: Ctx, req, gens, head, echo_of, lp, prompt_lps
 ) -> web.StreamResponse:
     accs = [Acc() for _ in gens]
     sent_echo = [False] * len(gens)
@@ -167,14 +167,20 @@ async def _stream_completions(
         async with generation(ctx, gens) as group:
             async for k, d in group:
                 accs[k].add(d)
-                text = d.text
-                if not sent_echo[k]:
-                    text, sent_echo[k] = echo_of(k) + text, True
-                if not text and d.finish_reason is None and not d.token_ids:
-                    continue  # prompt-only progress, or held-back text
+                if not d.text and d.finish_reason is None and not d.token_ids:
+                    continue  # prompt-only progress (prompt logprobs), or held-back text
+                text, tokens, lps, tops = d.text, d.token_texts, d.logprobs, d.top_logprobs
+                if not sent_echo[k]:  # the first chunk carries the prompt
+                    sent_echo[k] = True
+                    text = echo_of(k) + text
+                    if prompt_lps:
+                        entries = accs[k].prompt_entries(0)
+                        tokens = [t for _, _, t in entries] + tokens
+                        lps = [x for x, _, _ in entries] + lps
+                        tops = [[]] * len(entries) + tops if tops else []
                 logprobs = None
                 if lp is not None:
-                    logprobs = completion_logprobs(d.token_texts, d.logprobs, d.top_logprobs, 0)
+                    logprobs = completion_logprobs(tokens, lps, tops, 0)
                 choice = {"index": k, "text": text, "logprobs": logprobs,
                           "finish_reason": d.finish_reason, "matched_stop": d.matched_stop}  # fmt: skip
                 await sse_send(resp, {**head, "choices": [choice], "usage": None})

@@ -143,3 +143,14 @@ def test_echo_with_logprobs_scores_the_prompt(client, stack):
     assert lp.token_logprobs[n:] == [-0.25, -0.25]
     assert lp.top_logprobs[0] is None and len(lp.top_logprobs[n]) == 1
     assert stack.engine.seen[-1].sampling.logprob_start_len == 0
+
+
+def test_streamed_echo_with_logprobs_matches_the_unstreamed_one(client, stack):
+    kw = {"model": "smollm2", "prompt": "Once upon", "echo": True, "logprobs": 1, "max_tokens": 3}
+    whole = client.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw)]
+    assert "".join(c.text for c in chunks) == whole.text
+    tokens = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
+    lps = [x for c in chunks if c.logprobs for x in c.logprobs.token_logprobs]
+    assert tokens == whole.logprobs.tokens and lps == whole.logprobs.token_logprobs
+    assert chunks[0].text.startswith("Once upon")

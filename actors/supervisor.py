@@ -19,7 +19,9 @@ Theory of operation
 
 Invariants
     - The supervisor returns exactly one exit code, after every actor it started has
-      been stopped (tasks cancelled, processes terminated then killed).
+      been stopped (tasks cancelled, processes terminated then killed), the later
+      stages (the gateway) first, and after a clean exit only `flush_s` after the last
+      failure/abort was published, so the gateway can still deliver it.
     - Every action the core returns is carried out in order before the next event is
       handled (one lock around core + actions), so the core's view and the world agree.
 """
@@ -158,6 +160,7 @@ class Supervisor:
         *,
         handle_signals: bool = True,
         stop_grace_s: float = 5.0,
+        flush_s: float = 0.5,
         on_health: Callable[[str, str], None] | None = None,
     ) -> None:
         missing = {a.kind for a in config.actors} - set(launchers)
@@ -169,6 +172,7 @@ class Supervisor:
         self.launchers = launchers
         self.handle_signals = handle_signals
         self.stop_grace_s = stop_grace_s
+        self.flush_s = flush_s
         self.on_health = on_health
         self.handles: dict[str, ActorHandle] = {}
         self.health = "starting"
@@ -196,8 +200,13 @@ class Supervisor:
             async with self._lock:
                 await self._apply(self.core.start(time.monotonic_ns()))
             # Everything else happens in the tasks; _apply(Exit) cancels this group.
-        await self._stop_all()
         assert self.exit is not None
+        if self.exit.code == 0:
+            # Failures and aborts published just now must reach their clients before the
+            # gateway goes away.
+            with anyio.CancelScope(shield=True):
+                await anyio.sleep(self.flush_s)
+        await self._stop_all()
         log.info("supervisor exit", code=self.exit.code, reason=self.exit.reason)
         return self.exit.code
 

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from shunter.actors.executor import loader_gguf
 from shunter.actors.executor.models.config import ModelConfig, from_hf_dict
 from shunter.actors.executor.models.llama import LlamaForCausalLM
+from shunter.actors.executor.models.quant import WEIGHT_FORMATS, convert_linears
 from shunter.actors.model_files import ModelNotFound, resolve_model
 
 log = structlog.get_logger("shunter.loader")
@@ -163,11 +164,15 @@ def load_model(
     seed: int = 0,
     progress: bool = True,
     config_overrides: dict[str, Any] | None = None,
+    weight_format: str = "none",
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load weights and config; see the module docstring. `load_format="dummy"` takes the
-    config from model_path (HF dir or GGUF; default model when None) and random weights."""
+    config from model_path (HF dir or GGUF; default model when None) and random weights.
+    weight_format "bf16"/"int8" repacks the projection weights (models/quant.py)."""
     if load_format not in LOAD_FORMATS:
         raise LoadError(f"unknown load format {load_format!r} (one of {LOAD_FORMATS})")
+    if weight_format not in WEIGHT_FORMATS:
+        raise LoadError(f"unknown weight format {weight_format!r} (one of {WEIGHT_FORMATS})")
     try:
         src = resolve_model(model_path)
     except ModelNotFound as e:
@@ -208,6 +213,10 @@ def load_model(
         bar = tqdm(total=_count_safetensors(files), desc="loading safetensors", unit="tensor",
                    disable=not progress)  # fmt: skip
         _load_into(model, _progress(_iter_safetensors(files), bar), src.path)
+    try:
+        convert_linears(model, weight_format)
+    except ValueError as e:
+        raise LoadError(str(e)) from None
     return model, config
 
 

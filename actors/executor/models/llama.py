@@ -159,6 +159,7 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self._cos_sin: torch.Tensor | None = None
+        self.logits_head: nn.Module | None = None  # set by models.quant for tied weights
 
     def cos_sin_cache(self, max_pos: int) -> torch.Tensor:
         """[>= max_pos, head_dim] float32 rope table on the model's device, grown on demand."""
@@ -187,8 +188,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        if self.logits_head is not None:
+            return self.logits_head(hidden).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

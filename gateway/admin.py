@@ -104,9 +104,9 @@ async def metrics(request: web.Request) -> web.Response:
     if not ctx.config.enable_metrics:
         raise APIError(404, "metrics are off; start the server with --enable-metrics")
     return web.Response(
-        text=ctx.metrics.render(), content_type="text/plain", charset="utf-8",
-        headers={"X-Prometheus-Format": "0.0.4"},
-    )  # fmt: skip
+        body=ctx.metrics.render().encode(),
+        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+    )
 
 
 @routes.post("/flush_cache")

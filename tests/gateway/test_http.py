@@ -215,6 +215,8 @@ def test_health_metrics_info_and_flush(stack):
         assert after[name] == before[name], name  # probes are not counted
     _post(stack, "/v1/chat/completions", {**CHAT, "max_tokens": 4})
     text, values = scrape()
+    ctype = requests.get(stack.url + "/metrics", timeout=5).headers["Content-Type"]
+    assert ctype == "text/plain; version=0.0.4; charset=utf-8"
     assert values["sglang:prompt_tokens_total"] > 0
     assert values["sglang:generation_tokens_total"] >= 4
     assert values["sglang:time_to_first_token_seconds_count"] >= 1

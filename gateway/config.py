@@ -52,7 +52,9 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Bound on tokenizer queries (/v1/tokenize, /v1/detokenize, echo) and /flush_cache."""
 
     request_timeout_s: float | None = None
-    """When set, a request whose next output takes longer than this fails with 504."""
+    """When set, a request whose next output takes longer than this fails with 504 (and is
+    aborted). Unstreamed requests get a delta only every `non_stream_interval` tokens
+    (tokenizer), so allow for that many decode steps."""
 
     max_body_bytes: int = 64 * 1024 * 1024
 

@@ -331,3 +331,35 @@ def test_skip_corrupt_in_dump_and_stats(tmp_path):
     stats = json.loads(run("stats", str(tmp_path), "--skip-corrupt", "--json").stdout)
     assert (stats["publishers"]["p"]["gaps"], stats["publishers"]["p"]["lost"]) == (1, 1)
     assert stats["log"]["skipped"] == [f"{seg.name}@{offsets[2]}"]
+
+
+def test_tail_over_curve_tcp(tmp_path):
+    from shunter.bus.curve import CurveClient, CurveKeys, CurveServer
+
+    server, client = CurveKeys.generate(), CurveKeys.generate()
+    server_secret = server.save(tmp_path / "keys", "broker")
+    client_secret = client.save(tmp_path / "keys", "busctl")
+    curve = CurveServer(server, allowed_clients=(client.public_key,))
+    with Broker("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", curve=curve) as broker:
+        eps = broker.endpoints
+        keys = [
+            "--curve-keys",
+            str(client_secret),
+            "--server-key",
+            str(server_secret.with_suffix(".key")),
+        ]
+        proc = spawn("tail", *live(eps), *keys, "--count", "1", "--duration-s", "30")
+        wait_stderr(proc, "busctl: tailing")
+
+        async def publish() -> None:
+            async with ZmqBus("keyed", eps, curve=CurveClient(client, server.public_key)) as bus:
+                await bus.wait_connected()
+                await bus.publish(Tick(now_ns=42))
+                await anyio.sleep(0.2)
+
+        anyio.run(publish)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0 and "keyed#0 sched.tick Tick(now_ns=42)" in out, err
+        # without keys, tcp:// is refused outright
+        res = run("tail", *live(eps), "--connect-timeout-s", "1")
+        assert res.returncode == 2 and "refusing unauthenticated TCP" in res.stderr

@@ -46,8 +46,13 @@ class BatchBuilder:
         return len(self.entries)
 
     def add_extend(self, req: Req, num_new: int, new_pages: list[int], sample: bool) -> None:
-        """Prefill (or re-prefill after retraction) of all_ids[num_computed : +num_new]."""
-        start = req.num_computed
+        """Prefill (or re-prefill after retraction) of all_ids[num_planned : +num_new]."""
+        start = req.num_planned
+        req.num_planned = start + num_new
+        req.num_inflight += 1
+        if sample:
+            req.sample_planned = True
+            req.inflight_samples += 1
         self.rows.append(req.row)
         self.num_new_tokens.append(num_new)
         self.start_pos.append(start)
@@ -61,7 +66,11 @@ class BatchBuilder:
         """One token for each request, from LAST_SAMPLED; a request whose next position
         starts a page gets one from the end of pool_pages. Returns pages drawn."""
         n = len(reqs)
-        starts = [r.num_computed for r in reqs]
+        starts = [r.num_planned for r in reqs]
+        for r in reqs:
+            r.num_planned += 1
+            r.num_inflight += 1
+            r.inflight_samples += 1
         self.rows += [r.row for r in reqs]
         self.num_new_tokens += [1] * n
         self.start_pos += starts

@@ -64,6 +64,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """lpm sorts by cached prefix only while the queue is at most this long; fcfs beyond."""
     seed: int = 0
     """Seed of the random policy and of per-request seeds the request did not set."""
+    max_batches_in_flight: int = 1
+    """1: plan a step when the previous result is in. 2: overlap: plan step N+1 as soon
+    as step N is sent (decodes feed LAST_SAMPLED), so the executor never waits for the
+    scheduler; a request found finished in result N wastes its entry in N+1."""
     refresh_stale_matches: bool = True
     """Re-match a waiting request before admission when the tree grew since its match."""
     max_tombstones: int = 4096
@@ -98,6 +102,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         if not 0.0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0:
             raise ValueError(
                 "new token ratios: need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1"
+            )
+        if self.max_batches_in_flight not in (1, 2):
+            raise ValueError(
+                f"max_batches_in_flight: must be 1 or 2, got {self.max_batches_in_flight}"
             )
         if self.priority_aging_per_s < 0:
             raise ValueError("priority_aging_per_s: must be >= 0")
@@ -138,6 +146,7 @@ def from_server_args(
     Unset (None) options get engine choices: max_running_requests is bounded by the
     pool (SGLang: at most half the total tokens), chunked_prefill_size defaults to 8192
     rounded to the page size, and --context-length may only shorten the model's own.
+    Overlap scheduling (two batches in flight) is on unless --disable-overlap-schedule.
     """
     page_size = int(getattr(args, "page_size", 1) or 1)
     context = getattr(args, "context_length", None)
@@ -163,6 +172,7 @@ def from_server_args(
         eos_token_ids=tuple(eos_token_ids),
         seed=seed if seed is not None else 0,
         refresh_stale_matches=not getattr(args, "disable_radix_cache", False),
+        max_batches_in_flight=1 if getattr(args, "disable_overlap_schedule", False) else 2,
     )
     fields.update(overrides)
     return SchedulerConfig(**fields)

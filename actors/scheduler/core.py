@@ -36,11 +36,15 @@ Theory of operation
     After a retraction or parking the new_token_ratio is raised to at least its initial
     value, then decays back a little every step.
 
-    Overlap: decode entries feed LAST_SAMPLED, so a step's plan never reads the previous
-    result's tokens. Running two batches in flight needs only that planning assumes each
-    in-flight sampling entry continues (positions +1) and that finishes found in result N
-    close their rows in batch N+2 (their entry in N+1 is wasted work, its token dropped).
-    This core runs one batch in flight (the non-overlap mode).
+    Overlap (max_batches_in_flight = 2, SGLang's default): decode entries feed
+    LAST_SAMPLED, so a step's plan never reads the previous result's tokens, and step
+    N+1 is planned as soon as step N is sent; the executor finds N+1 queued when N ends.
+    Each request tracks `num_planned` (positions computed or in flight) beside
+    `num_computed` (results seen). A request whose last allowed token is in flight gets
+    no further entry; one found finished (or aborted) in result N has its final output
+    sent at once, its entry in N+1 wasted (token dropped), and is released when N+1's
+    result is in (`ending`). Retraction and parking wait until nothing is in flight.
+    With max_batches_in_flight = 1 a step is planned when the previous result is in.
 
 Invariants
     - A request is in exactly one of: waiting, running (holds a row), retracted or
@@ -48,7 +52,8 @@ Invariants
     - Every Matched received is ended by exactly one SequenceReleased or replaced by a
       newer Matched (cache.py's protocol); a request awaiting a Matched is never released
       until that Matched arrives.
-    - A request's pages are released only when no in-flight batch writes them.
+    - A request's pages are released only when no in-flight batch writes them
+      (num_inflight == 0); until then an ended request waits in `ending`.
     - Census (sent at every step boundary): len(pool) == num_leased_unused and
       num_held_by_requests == sum of running requests' own (not handed over) pages.
     - No output follows a request's final RequestOutput.
@@ -114,7 +119,8 @@ class SchedulerCore:
             lpm_max_queue=config.lpm_max_queue,
             seed=config.seed,
         )
-        self.in_flight: InFlight | None = None
+        self.in_flight: deque[InFlight] = deque()  # sent batches, oldest first
+        self.ending: dict[str, Req] = {}  # ended, waiting for their batches in flight
         self.step_id = 0
         self.now_ns = 0
         self.version = 0
@@ -182,11 +188,16 @@ class SchedulerCore:
                 pass  # the shell's record of our config; the core was built from it
             case _:
                 raise TypeError(f"scheduler core cannot handle {type(msg).__name__}")
-        if self.in_flight is None:
+        num_planned = 0
+        while len(self.in_flight) < self.config.max_batches_in_flight:
             batch = plan.plan_step(self, out)
-            if batch is not None:
-                out.insert(0, batch)
-                self._boundary = True
+            if batch is None:
+                break
+            out.insert(num_planned, batch)
+            num_planned += 1
+            self._boundary = True
+        if num_planned:
+            pass  # planning leased what the pool needs
         elif isinstance(msg, Matched):
             req = self.waiting.get(msg.request.request_id)
             if req is not None:
@@ -313,13 +324,9 @@ class SchedulerCore:
         if req.state == PARKED and not req.awaiting_match:
             del self.retracted[rid]  # holds no match: nothing to release
         elif req.state == RUNNING:
-            if not self._in_flight_has(req):
-                self._end_running(req, "finished" if stop else "aborted", out)
+            self.finish_running(req, "finished" if stop else "aborted", out)
         elif not req.awaiting_match:  # waiting; otherwise ended when its Matched comes
             self._drop_waiting(req, out, emit=False)
-
-    def _in_flight_has(self, req: Req) -> bool:
-        return self.in_flight is not None and any(e[0] is req for e in self.in_flight.entries)
 
     def _drop_waiting(self, req: Req, out: list[Msg], emit: bool = True) -> None:
         """End a waiting request: unlock its match (reason aborted, its prefix only)."""
@@ -371,9 +378,22 @@ class SchedulerCore:
 
     # ---- leaving the running batch -------------------------------------------------
 
+    def finish_running(self, req: Req, reason: str, out: list[Msg]) -> None:
+        """End a running request (its final output is out): released at once when no
+        batch in flight writes its pages, else when the last of them comes back."""
+        if req.end_reason is not None:
+            return
+        if req.num_inflight == 0:
+            self._end_running(req, reason, out)
+        else:
+            del self.running[req.request_id]
+            req.end_reason = reason
+            self.ending[req.request_id] = req
+
     def _end_running(self, req: Req, reason: str, out: list[Msg]) -> None:
         """Finish or abort a running request that no in-flight batch writes."""
-        del self.running[req.request_id]
+        if self.running.pop(req.request_id, None) is None:
+            del self.ending[req.request_id]
         self.rows.release(req.row)
         req.row = -1
         self._release(req, reason, out)
@@ -394,7 +414,7 @@ class SchedulerCore:
         self._end_running(req, "retracted", out)
         req.state = RETRACTED
         req.awaiting_match = True
-        req.num_computed = 0
+        req.num_computed = req.num_planned = 0
         req.num_cached = 0
         req.num_retractions += 1
         self.retracted[req.request_id] = req
@@ -407,7 +427,7 @@ class SchedulerCore:
         del self.waiting[req.request_id]
         self._release(req, "aborted", out)
         req.state = PARKED
-        req.num_computed = 0
+        req.num_computed = req.num_planned = 0
         req.num_cached = 0
         self.retracted[req.request_id] = req
         self.last_pressure_step = self.step_id

@@ -24,6 +24,8 @@ def plan_step(core: SchedulerCore, out: list[Msg]) -> ForwardBatch | None:
     ps = cfg.page_size
     pool = core.pool
     if core.retract_all_pending:
+        if core.in_flight:
+            return None  # let the batches in flight finish first
         for req in list(core.running.values()):
             core.retract(req, out)
         core.retract_all_pending = False
@@ -31,10 +33,15 @@ def plan_step(core: SchedulerCore, out: list[Msg]) -> ForwardBatch | None:
     decodes: list[Req] = []
     prefilling: list[Req] = []
     need = 0  # a decode at position p needs a new page when p starts one
+    max_context_len = cfg.max_context_len
     for r in core.running.values():
-        if r.row_sampled:
+        if r.sample_planned:
+            k = r.inflight_samples
+            if k and (r.num_output + k >= r.sampling.max_new_tokens
+                      or len(r.all_ids) + k >= max_context_len):  # fmt: skip
+                continue  # the tokens in flight are its last ones
             decodes.append(r)
-            if r.num_computed >= len(r.pages) * ps:
+            if r.num_planned >= len(r.pages) * ps:
                 need += 1
         else:
             prefilling.append(r)
@@ -44,6 +51,8 @@ def plan_step(core: SchedulerCore, out: list[Msg]) -> ForwardBatch | None:
         if not pool.cache_short:
             out.append(pool.request(max(cfg.lease_min_pages, need - len(pool) + core.lease_want)))
             return None
+        if core.in_flight:
+            return None  # relieve the pressure once nothing in flight writes its pages
         # The cache could not grant more since our last release. First unpin the tree
         # pages that waiting requests' matches lock (no work is lost), then retract.
         parkable = [r for r in core.waiting.values() if r.num_cached and not r.awaiting_match]
@@ -83,7 +92,7 @@ def plan_step(core: SchedulerCore, out: list[Msg]) -> ForwardBatch | None:
         _admit(core, builder, out, prefill_left, chunk_left, pages_left)
 
     core.num_held += builder.add_decodes(decodes, pool.pages, ps)
-    if not len(builder) and pool.cache_short and pool.outstanding is None:
+    if not len(builder) and pool.cache_short and pool.outstanding is None and not core.in_flight:
         if core.running:
             _unstall(core, out)  # running requests wait for pages the cache cannot give
         elif core.admission_deficit and not core.paused_by:
@@ -96,7 +105,7 @@ def plan_step(core: SchedulerCore, out: list[Msg]) -> ForwardBatch | None:
         return None
     core.step_id += 1
     batch = builder.build(core.step_id, core.rows.take_closes(), core.version)
-    core.in_flight = InFlight(core.step_id, batch, builder.entries)
+    core.in_flight.append(InFlight(core.step_id, batch, builder.entries))
     return batch
 
 
@@ -155,7 +164,7 @@ def _admit(
             core._n["refreshes"] += 1
             continue
         first = len(builder) == 0
-        extend = len(r.all_ids) - r.num_computed
+        extend = len(r.all_ids) - r.num_planned
         if (not first and extend > prefill_left) or prefill_left <= 0 or chunk_left == 0:
             stop_at = i  # the budget is spent; the first request of a step always goes in
             break
@@ -164,6 +173,9 @@ def _admit(
             stop_at, lookahead = i, False  # KV reserved for the running requests' growth
             break
         n, num_pages = _extend_size(r, chunk_left, None, ps, by_pages=False)
+        if n <= 0:
+            stop_at = i  # what is left of the chunk budget is less than a page
+            break
         if num_pages > pages_left:
             if first and not core.running and core.pool.cache_short and pages_left > 0:
                 # Nothing runs and the cache has no more: progress with what there is.
@@ -200,7 +212,7 @@ def _next_admission_pages(core: SchedulerCore, order: list[Req], num_slots: int)
             break
         if r.awaiting_match:
             continue
-        extend = len(r.all_ids) - r.num_computed
+        extend = len(r.all_ids) - r.num_planned
         if total and extend > prefill_left:
             break
         n, num_pages = _extend_size(r, chunk_left, None, ps, by_pages=False)
@@ -218,6 +230,7 @@ def _open(core: SchedulerCore, builder: BatchBuilder, r: Req) -> None:
     row = core.rows.alloc()
     r.row = row
     r.row_sampled = False
+    r.sample_planned = False
     r.state = RUNNING
     del core.waiting[r.request_id]
     core.running[r.request_id] = r
@@ -236,7 +249,7 @@ def _extend_size(
 ) -> tuple[int, int]:
     """(tokens, new pages) of r's next prefill piece. A piece shorter than the rest of
     the prompt ends on a page boundary (so ChunkCached hands over whole pages)."""
-    start = r.num_computed
+    start = r.num_planned
     remaining = len(r.all_ids) - start
     n = remaining if chunk_left is None else min(remaining, chunk_left)
     if by_pages and pages_left is not None:
@@ -252,7 +265,7 @@ def _add_extend(core: SchedulerCore, builder: BatchBuilder, r: Req, n: int, num_
     pages = core.pool.take(num_pages)
     r.pages.extend(pages)
     core.num_held += num_pages
-    builder.add_extend(r, n, pages, sample=r.num_computed + n == len(r.all_ids))
+    builder.add_extend(r, n, pages, sample=r.num_planned + n == len(r.all_ids))
 
 
 MAX_INSERTS_SCANNED = 64
@@ -360,7 +373,7 @@ def _retract_for(
             break
         if v in decodes:
             decodes.remove(v)
-            if v.num_computed >= len(v.pages) * ps:
+            if v.num_planned >= len(v.pages) * ps:
                 need -= 1
         else:
             prefilling.remove(v)
@@ -378,9 +391,9 @@ def _want(core: SchedulerCore, builder: BatchBuilder) -> int:
     steps = len(core.running) * cfg.lease_lookahead_steps
     want = -(-steps // ps) + core.admission_deficit
     chunk = cfg.chunk_tokens
-    for r, n, sample in builder.entries:
+    for r, _, sample in builder.entries:
         if not sample:  # a chunk: lease its successor's pages while this one runs
-            start = r.num_computed + n
+            start = r.num_planned  # already advanced past this chunk
             end = len(r.all_ids) if chunk is None else min(len(r.all_ids), start + chunk)
             want += max(0, -(-end // ps) - len(r.pages))
     return want

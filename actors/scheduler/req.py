@@ -7,7 +7,8 @@ whatever a ChunkCached handed over); the rest were drawn from the scheduler's le
 and count as "held by requests" in the census.
 
 Invariants
-    - len(pages) * page_size >= num_computed (every computed position has a page).
+    - len(pages) * page_size >= num_planned >= num_computed (every position computed,
+      or planned in a batch in flight, has a page).
     - num_cached <= num_computed <= len(all_ids); a running request whose row sampled
       (`row_sampled`) has num_computed == len(all_ids) - 1: the last sampled token has
       no KV yet, the next decode step computes it from LAST_SAMPLED.
@@ -30,12 +31,16 @@ class Req:
         "all_ids",
         "arrival_ns",
         "awaiting_match",
+        "end_reason",
         "enqueue_seq",
         "enqueued_ns",
         "extra_key",
+        "inflight_samples",
         "num_cached",
         "num_cached_reported",
         "num_computed",
+        "num_inflight",
+        "num_planned",
         "num_prompt",
         "num_retractions",
         "num_tree_pages",
@@ -45,12 +50,14 @@ class Req:
         "request_id",
         "row",
         "row_sampled",
+        "sample_planned",
         "sampling",
         "seed",
         "state",
         "stop_ids",
         "stream",
-        "tree_version", "wants_extras",
+        "tree_version",
+        "wants_extras",
     )  # fmt: skip
 
     def __init__(
@@ -75,9 +82,14 @@ class Req:
         self.num_cached_reported = m.num_cached_tokens
         self.state = WAITING
         self.row = -1
-        self.row_sampled = False  # its row sampled a token: it decodes (LAST_SAMPLED);
+        self.row_sampled = False  # its row sampled a token (results seen)
+        # A sampling entry is planned for its row: from then on it decodes (LAST_SAMPLED);
         # until then it is prefilling (a first prefill, or a re-prefill after a
-        # retraction, possibly in chunks)
+        # retraction, possibly in chunks).
+        self.sample_planned = False
+        self.num_inflight = 0  # entries of it in batches sent, results not yet seen
+        self.inflight_samples = 0  # of those, entries that sample
+        self.end_reason: str | None = None  # ended; released when num_inflight reaches 0
         self.enqueue_seq = enqueue_seq
         self.enqueued_ns = enqueued_ns
         self.seed = seed
@@ -97,6 +109,7 @@ class Req:
         self.num_tree_pages = 0
         self.num_cached = 0
         self.num_computed = 0
+        self.num_planned = 0
         self.tree_version = 0
         self.apply_match(m, page_size)
 
@@ -114,6 +127,7 @@ class Req:
         self.num_tree_pages = len(pages)
         self.num_cached = num_cached
         self.num_computed = num_cached
+        self.num_planned = num_cached
         self.tree_version = m.tree_version
 
     @property

@@ -18,11 +18,10 @@ _NONE: list = []  # shared empty field value of outputs (never mutated)
 
 
 def apply_result(core: SchedulerCore, res: StepResult, out: list[Msg]) -> None:
-    inf = core.in_flight
-    if inf is None or res.step_id != inf.step_id:
+    if not core.in_flight or res.step_id != core.in_flight[0].step_id:
         core._n["unexpected"] += 1
         return
-    core.in_flight = None
+    inf = core.in_flight.popleft()
     core._boundary = True
     rows, tokens = res.rows, res.token_ids
     error = res.error
@@ -38,10 +37,19 @@ def apply_result(core: SchedulerCore, res: StepResult, out: list[Msg]) -> None:
     k = -1
     for req, num_new, sample in inf.entries:
         req.num_computed += num_new
+        req.num_inflight -= 1
         if sample:
             k += 1
-        if req.abort_reason is not None or error is not None:
-            _end_failed_or_aborted(core, req, error, out)
+            req.inflight_samples -= 1
+        if req.end_reason is not None:  # ended meanwhile: its token is dropped
+            if req.num_inflight == 0:
+                core._end_running(req, req.end_reason, out)
+            continue
+        if error is not None:
+            core._emit(req, [], finish=FinishReason.ERROR)
+            out.append(RequestFailed(req.request_id, "internal", error, 500))
+            core._n["failed"] += 1
+            core.finish_running(req, "aborted", out)
             continue
         if not sample:
             num_prefill += num_new
@@ -80,7 +88,7 @@ def apply_result(core: SchedulerCore, res: StepResult, out: list[Msg]) -> None:
         else:
             core._emit(req, [token], lps, top, plp, finish=finish, matched=matched)
             core._n["finished"] += 1
-            core._end_running(req, "finished", out)
+            core.finish_running(req, "finished", out)
     n = core._n
     n["generated"] += num_generated
     n["prefill_tokens"] += num_prefill
@@ -89,14 +97,3 @@ def apply_result(core: SchedulerCore, res: StepResult, out: list[Msg]) -> None:
     core.new_token_ratio = max(
         cfg.min_new_token_ratio, core.new_token_ratio - cfg.new_token_ratio_decay
     )
-
-
-def _end_failed_or_aborted(core: SchedulerCore, req, error: str | None, out: list[Msg]) -> None:
-    if req.abort_reason is not None:  # its final output went out with the abort
-        reason = "finished" if req.abort_reason == "stop_string" else "aborted"
-        core._end_running(req, reason, out)
-        return
-    core._emit(req, [], finish=FinishReason.ERROR)
-    out.append(RequestFailed(req.request_id, "internal", error or "step failed", 500))
-    core._n["failed"] += 1
-    core._end_running(req, "aborted", out)

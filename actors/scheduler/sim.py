@@ -129,6 +129,8 @@ class SimExecutor:
             if r is None:
                 self._fail(f"step {b.step_id}: entry for row {row}, which is not open")
             n = b.num_new_tokens[i]
+            if n < 1:
+                self._fail(f"step {b.step_id}: row {row} computes {n} tokens")
             if b.start_pos[i] != r.num_tokens:
                 self._fail(
                     f"step {b.step_id}: row {row} starts at {b.start_pos[i]}, has {r.num_tokens}"

@@ -67,7 +67,7 @@ def statistics(core: SchedulerCore) -> SchedulerStatistics:
         num_running=len(core.running),
         num_retracted=len(core.retracted),
         num_steps=core.step_id,
-        num_in_flight=0 if core.in_flight is None else 1,
+        num_in_flight=len(core.in_flight),
         num_leased_unused=len(core.pool),
         num_held_pages=core.num_held,
         num_lease_requests=core.pool.num_requests,

@@ -47,7 +47,8 @@ def check_books(c: Cluster) -> None:
     assert not c.problems, c.problems[:3]
     assert all(m.ok for m in c.censuses)
     pool = list(sched.pool.pages)
-    held = [p for r in sched.running.values() for p in r.pages[r.num_tree_pages :]]
+    live = [*sched.running.values(), *sched.ending.values()]
+    held = [p for r in live for p in r.pages[r.num_tree_pages :]]
     flying = [p for m in c.to_sched if isinstance(m, LeaseGranted) for p in m.pages]
     mine = pool + held + flying
     assert len(mine) == len(set(mine)), "a page is in two places on the scheduler's side"
@@ -56,8 +57,9 @@ def check_books(c: Cluster) -> None:
     returning = {p for m in c.to_cache if isinstance(m, RETURNS) for p in m.pages}
     assert out - set(mine) <= returning, "leased pages leaked (in no pool, row or message)"
     assert sched.num_held == len(held)
-    for row in c.exe.rows.values():  # rows whose close is still to be sent are not read
-        if row.request_id not in sched.running:
+    by_row = {r.row: r.request_id for r in live}
+    for idx, row in c.exe.rows.items():  # rows whose close is still to be sent are not read
+        if by_row.get(idx) != row.request_id:
             continue
         assert all(ledger.owner[p] != FREE for p in row.pages), "a live row reads a free page"
 
@@ -66,6 +68,7 @@ def check_quiet(c: Cluster, rids: list[str]) -> None:
     """Everything finished: every request got exactly one final output, nothing after."""
     check_books(c)
     assert not c.sched.running and not c.sched.waiting and not c.sched.retracted
+    assert not c.sched.ending and not c.sched.in_flight
     assert not c.cache.requests, "a match was never released"
     assert set(c.cache.ledger.pages_owned_by(OUT)) == set(c.sched.pool.pages)
     failed = {f.request_id for f in c.failed}
@@ -81,11 +84,13 @@ def tokenized(rid, ids, max_new, **sp) -> Tokenized:
     return Tokenized(rid, list(ids), SamplingParams(max_new_tokens=max_new, **sp))
 
 
+@pytest.mark.parametrize("in_flight", [1, 2])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_shared_prefix_workload_finishes_with_balanced_books(page_size):
+def test_shared_prefix_workload_finishes_with_balanced_books(page_size, in_flight):
     cfg = SchedulerConfig(
         page_size=page_size, chunked_prefill_size=16, max_prefill_tokens=48,
         max_running_requests=6, num_total_pages=4096 // page_size, eos_token_ids=(EOS,),
+        max_batches_in_flight=in_flight,
     )  # fmt: skip
     c = Cluster(cfg, 4096 // page_size, token_fn=token_fn)
     system = list(range(1000, 1040))
@@ -110,10 +115,11 @@ def test_shared_prefix_workload_finishes_with_balanced_books(page_size):
     assert c.sched.statistics().num_chunks_cached > 0
 
 
-def _run(num_pages, n=8, max_new=40):
+def _run(num_pages, n=8, max_new=40, in_flight=1):
     cfg = SchedulerConfig(
         page_size=1, chunked_prefill_size=32, max_running_requests=8, num_total_pages=num_pages,
         lease_min_pages=4, lease_max_surplus_pages=8, lease_lookahead_steps=2,
+        max_batches_in_flight=in_flight,
     )  # fmt: skip
     c = Cluster(
         cfg, num_pages, token_fn=lambda rid, pos: mix64(zlib.crc32(rid.encode()), pos) % 900 + 20
@@ -127,9 +133,10 @@ def _run(num_pages, n=8, max_new=40):
     return c, {r: c.tokens(r) for r in rids}
 
 
-def test_retraction_under_kv_pressure_keeps_outputs_identical():
-    roomy, want = _run(4096)
-    tight, got = _run(150)  # 8 x (20 + 40) tokens do not fit in 150 slots at once
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_retraction_under_kv_pressure_keeps_outputs_identical(in_flight):
+    roomy, want = _run(4096, in_flight=in_flight)
+    tight, got = _run(150, in_flight=in_flight)  # 8 x (20 + 40) tokens do not fit in 150
     assert roomy.sched.statistics().num_retractions == 0
     st_ = tight.sched.statistics()
     assert st_.num_retractions > 0
@@ -192,12 +199,14 @@ class SchedulerWithCache(RuleBasedStateMachine):
         num_pages=st.integers(48, 160),
         chunk=st.sampled_from([8, 16, -1]),
         policy=st.sampled_from(["fcfs", "lpm", "priority", "lof", "random"]),
+        in_flight=st.sampled_from([1, 2]),
     )
-    def setup(self, page_size, num_pages, chunk, policy):
+    def setup(self, page_size, num_pages, chunk, policy, in_flight):
         cfg = SchedulerConfig(
             page_size=page_size, chunked_prefill_size=chunk, max_prefill_tokens=40,
             max_running_requests=5, num_total_pages=num_pages, schedule_policy=policy,
             eos_token_ids=(EOS,), lease_min_pages=2, lease_max_surplus_pages=6,
+            max_batches_in_flight=in_flight,
         )  # fmt: skip
         self.c = Cluster(cfg, num_pages, token_fn=token_fn)
         self.rids: list[str] = []
@@ -284,6 +293,7 @@ def fuzz(seed: int, num_deliveries: int) -> Cluster:
         num_total_pages=num_pages, eos_token_ids=(EOS,), lease_min_pages=rng.randint(1, 8),
         lease_max_surplus_pages=rng.randint(0, 16),
         schedule_policy=rng.choice(["fcfs", "lpm", "priority", "lof", "random"]), seed=seed,
+        max_batches_in_flight=rng.choice([1, 2]),
     )  # fmt: skip
     c = Cluster(cfg, num_pages, token_fn=token_fn)
     prefixes = [[], list(range(300, 300 + rng.randint(4, 30))), list(range(700, 712))]

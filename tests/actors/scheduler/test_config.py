@@ -47,6 +47,10 @@ def test_engine_chosen_defaults():
     off = from_server_args(ServerArgs(chunked_prefill_size=-1, disable_radix_cache=True),
                            num_total_pages=100, max_context_len=4096)  # fmt: skip
     assert off.chunk_tokens is None and not off.refresh_stale_matches
+    assert small.max_batches_in_flight == 2  # overlap, as SGLang, unless disabled
+    serial = from_server_args(ServerArgs(disable_overlap_schedule=True), num_total_pages=100,
+                              max_context_len=4096)  # fmt: skip
+    assert serial.max_batches_in_flight == 1
 
 
 def test_context_length_may_only_shorten_the_models():
@@ -64,6 +68,7 @@ def test_context_length_may_only_shorten_the_models():
         ({"init_new_token_ratio": 0.05}, "new token ratios"),
         ({"priority_aging_per_s": -1.0}, "priority_aging_per_s"),
         ({"lease_max_surplus_pages": -1}, "lease_max_surplus_pages: must be >= 0"),
+        ({"max_batches_in_flight": 3}, "max_batches_in_flight: must be 1 or 2"),
     ],
 )
 def test_bad_config_is_a_clear_error(fields, message):

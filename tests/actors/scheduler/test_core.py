@@ -233,7 +233,7 @@ def _priority_run(aging_per_s, seconds=40):
         if t == 1:
             f.send(matched("low", range(1000, 1006), max_new=1, priority=0))
             arrived["low"] = t
-        if f.core.in_flight is not None:
+        if f.core.in_flight:
             f.step(_last_batch(f))
     order = [o.request_id for m in f.log if isinstance(m, ForwardBatch) for o in m.opens]
     return order, arrived

@@ -46,7 +46,8 @@ class _Executor:
 
 
 @pytest.mark.heavy
-def test_greedy_reference_through_scheduler_cache_and_executor(model):
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_greedy_reference_through_scheduler_cache_and_executor(model, in_flight):
     ref = json.loads(REFERENCE.read_text())
     prompts = ref["prompts"]
     page_size = 4
@@ -56,6 +57,7 @@ def test_greedy_reference_through_scheduler_cache_and_executor(model):
         max_running_requests=5, num_total_pages=num_pages, eos_token_ids=(ref["eos_token_id"],),
         lease_min_pages=2, lease_max_surplus_pages=4,
         init_new_token_ratio=0.05, min_new_token_ratio=0.01,  # overcommit: retract later
+        max_batches_in_flight=in_flight,
     )  # fmt: skip
     c = Cluster(cfg, num_pages)
     c.exe = _Executor(model, num_pages, page_size)

@@ -92,7 +92,6 @@ from shunter.bus.messages import (
     Shutdown,
     StepResult,
     Tick,
-    Tokenized,
     TokensOut,
     TreeDropped,
 )
@@ -407,40 +406,6 @@ class SchedulerCore:
         self.pool.pages_released()
         req.pages = []
         req.num_tree_pages = 0
-
-    def retract(self, req: Req, out: list[Msg]) -> None:
-        """Give a running request's KV back (prefix kept in the tree); it waits for the
-        cache manager's new Matched, then re-queues with its output so far."""
-        self._end_running(req, "retracted", out)
-        req.state = RETRACTED
-        req.awaiting_match = True
-        req.num_computed = req.num_planned = 0
-        req.num_cached = 0
-        req.num_retractions += 1
-        self.retracted[req.request_id] = req
-        self.last_pressure_step = self.step_id
-        self._n["retractions"] += 1
-
-    def park(self, req: Req, out: list[Msg]) -> None:
-        """Release a waiting request's match (its lock pins tree pages the running
-        requests need); it stays queued here and is matched again by `unpark`."""
-        del self.waiting[req.request_id]
-        self._release(req, "aborted", out)
-        req.state = PARKED
-        req.num_computed = req.num_planned = 0
-        req.num_cached = 0
-        self.retracted[req.request_id] = req
-        self.last_pressure_step = self.step_id
-        self._n["parked"] += 1
-
-    def unpark(self, req: Req, out: list[Msg]) -> None:
-        """Ask the cache manager to match a parked request again (over its prompt and
-        output so far); its Matched puts it back in the waiting queue."""
-        out.append(
-            Tokenized(req.request_id, list(req.all_ids), req.sampling, req.priority,
-                      req.extra_key, req.arrival_ns, req.stream)
-        )  # fmt: skip
-        req.awaiting_match = True
 
     def statistics(self) -> SchedulerStatistics:
         return statistics(self)

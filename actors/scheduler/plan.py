@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from shunter.actors.scheduler import pressure
 from shunter.actors.scheduler.batch import BatchBuilder, InFlight
-from shunter.actors.scheduler.req import PARKED, RUNNING, Req
-from shunter.bus.messages import FinishReason, ForwardBatch, Msg, RefreshMatch, RowOpen
+from shunter.actors.scheduler.req import RUNNING, Req
+from shunter.bus.messages import ForwardBatch, Msg, RefreshMatch, RowOpen
 
 if TYPE_CHECKING:
     from shunter.actors.scheduler.core import SchedulerCore
@@ -27,7 +28,7 @@ def plan_step(core: SchedulerCore, out: list[Msg]) -> ForwardBatch | None:
         if core.in_flight:
             return None  # let the batches in flight finish first
         for req in list(core.running.values()):
-            core.retract(req, out)
+            pressure.retract(core, req, out)
         core.retract_all_pending = False
 
     decodes: list[Req] = []
@@ -57,9 +58,9 @@ def plan_step(core: SchedulerCore, out: list[Msg]) -> ForwardBatch | None:
         # pages that waiting requests' matches lock (no work is lost), then retract.
         parkable = [r for r in core.waiting.values() if r.num_cached and not r.awaiting_match]
         for r in parkable:
-            core.park(r, out)
+            pressure.park(core, r, out)
         if not parkable:
-            need = _retract_for(core, decodes, prefilling, need, out)
+            need = pressure.retract_for(core, decodes, prefilling, need, out)
         if need > len(pool):
             if pool.outstanding is None:
                 out.append(pool.request(max(cfg.lease_min_pages, need - len(pool))))
@@ -81,7 +82,7 @@ def plan_step(core: SchedulerCore, out: list[Msg]) -> ForwardBatch | None:
         if chunk_left is not None:
             chunk_left -= n
 
-    _unpark(core, out)
+    pressure.unpark_some(core, out)
     if (
         core.waiting
         and not core.paused_by
@@ -94,9 +95,9 @@ def plan_step(core: SchedulerCore, out: list[Msg]) -> ForwardBatch | None:
     core.num_held += builder.add_decodes(decodes, pool.pages, ps)
     if not len(builder) and pool.cache_short and pool.outstanding is None and not core.in_flight:
         if core.running:
-            _unstall(core, out)  # running requests wait for pages the cache cannot give
+            pressure.unstall(core, out)  # running requests wait for pages the cache cannot give
         elif core.admission_deficit and not core.paused_by:
-            _unstall_admission(core, out)
+            pressure.unstall_admission(core, out)
 
     core.lease_want = _want(core, builder)
     core.ahead_tokens = 0
@@ -107,25 +108,6 @@ def plan_step(core: SchedulerCore, out: list[Msg]) -> ForwardBatch | None:
     batch = builder.build(core.step_id, core.rows.take_closes(), core.version)
     core.in_flight.append(InFlight(core.step_id, batch, builder.entries))
     return batch
-
-
-def _unpark(core: SchedulerCore, out: list[Msg]) -> None:
-    """Bring parked requests back (oldest first) once the pressure has passed: nothing
-    runs, or retract_decode_steps steps went by without a retraction or parking."""
-    cfg = core.config
-    if not core.retracted or core.paused_by or core.draining or core.pool.cache_short:
-        return
-    idle = not core.running
-    if not idle and core.step_id - core.last_pressure_step < cfg.retract_decode_steps:
-        return
-    if len(core.running) >= cfg.max_running_requests:
-        return
-    parked = sorted(
-        (r for r in core.retracted.values() if r.state == PARKED and not r.awaiting_match),
-        key=lambda r: r.enqueue_seq,
-    )
-    for r in parked if idle else parked[:1]:
-        core.unpark(r, out)
 
 
 def _admit(
@@ -301,86 +283,6 @@ def _needs_refresh(core: SchedulerCore, r: Req) -> bool:
         ):
             return True
     return len(log) == log.maxlen  # history older than the log: assume it may have grown
-
-
-def _unstall(core: SchedulerCore, out: list[Msg]) -> None:
-    """No running request could take a step for lack of pages and the cache has none
-    to give: free some (park locked waiting matches, else retract one request, else
-    end a lone one); the lease that follows can then be granted."""
-    parkable = [r for r in core.waiting.values() if r.num_cached and not r.awaiting_match]
-    for r in parkable:
-        core.park(r, out)
-    if parkable:
-        return
-    running = list(core.running.values())
-    if len(running) == 1:
-        _abort_lone(core, running[0], out)
-        return
-    victim = min(running, key=lambda r: (r.num_output, -r.num_prompt))
-    core.retract(victim, out)
-    _raise_ratio(core)
-
-
-def _unstall_admission(core: SchedulerCore, out: list[Msg]) -> None:
-    """Nothing runs and the next request cannot be admitted: the pages it needs are
-    pinned by the matches of the requests queued behind it. Park those."""
-    order = [r for r in core.order.order(core.waiting.values(), core.now_ns)
-             if not r.awaiting_match]  # fmt: skip
-    for r in order[1:]:
-        if r.num_cached:
-            core.park(r, out)
-
-
-def _abort_lone(core: SchedulerCore, req: Req, out: list[Msg]) -> None:
-    core._emit(req, [], finish=FinishReason.ABORT)
-    core._n["aborted"] += 1
-    core._end_running(req, "aborted", out)
-
-
-def _raise_ratio(core: SchedulerCore) -> None:
-    cfg = core.config
-    running = list(core.running.values())
-    if running:
-        decoded = sum(r.num_output for r in running)
-        max_new = sum(r.sampling.max_new_tokens for r in running)
-        estimate = (decoded + cfg.retract_decode_steps * len(running)) / max(1, max_new)
-        # Raise the reserve: at least back to its initial value (SGLang sets it to
-        # this estimate; taking the max never lowers it on a retraction).
-        core.new_token_ratio = min(
-            1.0, max(core.new_token_ratio, estimate, cfg.init_new_token_ratio)
-        )
-
-
-def _retract_for(
-    core: SchedulerCore, decodes: list[Req], prefilling: list[Req], need: int, out: list[Msg]
-) -> int:
-    """Retract running requests until the decodes' page need fits the pool, keeping at
-    least one; returns the remaining need. Victims: fewest output tokens first, then the
-    longest prompt (SGLang's order: the least decoding work is lost)."""
-    cfg = core.config
-    ps = cfg.page_size
-    victims = sorted(prefilling + decodes, key=lambda r: (r.num_output, -r.num_prompt))
-    if len(victims) == 1:
-        # One request alone cannot grow even after the cache was asked since our last
-        # release (the rest of the pool is locked by matches): end it rather than stall.
-        _abort_lone(core, victims[0], out)
-        decodes.clear()
-        prefilling.clear()
-        return 0
-    alive = len(victims)
-    for v in victims:
-        if need <= len(core.pool) or alive <= 1:
-            break
-        if v in decodes:
-            decodes.remove(v)
-            if v.num_planned >= len(v.pages) * ps:
-                need -= 1
-        else:
-            prefilling.remove(v)
-        core.retract(v, out)
-        alive -= 1
-    _raise_ratio(core)
-    return need
 
 
 def _want(core: SchedulerCore, builder: BatchBuilder) -> int:

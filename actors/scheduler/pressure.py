@@ -1,0 +1,156 @@
+"""KV pressure: retraction, parking, and un-stalling when the cache has no more pages.
+
+When the pages the next step needs cannot be had (the pool is short and the cache
+manager's last grant was short since our last release), pages are freed in order of
+least work lost: park waiting requests (release their matches: no computation is lost),
+else retract running requests (fewest output tokens first, then the longest prompt, as
+SGLang), else end a lone request that still cannot grow. All of it happens only when no
+batch is in flight (a request's pages are never released while a batch writes them).
+Parked requests return (Tokenized to the cache manager again) once the pressure passed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from shunter.actors.scheduler.req import PARKED, RETRACTED, Req
+from shunter.bus.messages import FinishReason, Msg, Tokenized
+
+if TYPE_CHECKING:
+    from shunter.actors.scheduler.core import SchedulerCore
+
+
+def retract(core: SchedulerCore, req: Req, out: list[Msg]) -> None:
+    """Give a running request's KV back (prefix kept in the tree); it waits for the
+    cache manager's new Matched, then re-queues with its output so far."""
+    core._end_running(req, "retracted", out)
+    req.state = RETRACTED
+    req.awaiting_match = True
+    req.num_computed = req.num_planned = 0
+    req.num_cached = 0
+    req.num_retractions += 1
+    core.retracted[req.request_id] = req
+    core.last_pressure_step = core.step_id
+    core._n["retractions"] += 1
+
+
+def park(core: SchedulerCore, req: Req, out: list[Msg]) -> None:
+    """Release a waiting request's match (its lock pins tree pages the running
+    requests need); it stays queued here and is matched again by `unpark`."""
+    del core.waiting[req.request_id]
+    core._release(req, "aborted", out)
+    req.state = PARKED
+    req.num_computed = req.num_planned = 0
+    req.num_cached = 0
+    core.retracted[req.request_id] = req
+    core.last_pressure_step = core.step_id
+    core._n["parked"] += 1
+
+
+def unpark(core: SchedulerCore, req: Req, out: list[Msg]) -> None:
+    """Ask the cache manager to match a parked request again (over its prompt and
+    output so far); its Matched puts it back in the waiting queue."""
+    out.append(
+        Tokenized(req.request_id, list(req.all_ids), req.sampling, req.priority,
+                  req.extra_key, req.arrival_ns, req.stream)
+    )  # fmt: skip
+    req.awaiting_match = True
+
+
+def unpark_some(core: SchedulerCore, out: list[Msg]) -> None:
+    """Bring parked requests back (oldest first) once the pressure has passed: nothing
+    runs, or retract_decode_steps steps went by without a retraction or parking."""
+    cfg = core.config
+    if not core.retracted or core.paused_by or core.draining or core.pool.cache_short:
+        return
+    idle = not core.running
+    if not idle and core.step_id - core.last_pressure_step < cfg.retract_decode_steps:
+        return
+    if len(core.running) >= cfg.max_running_requests:
+        return
+    parked = sorted(
+        (r for r in core.retracted.values() if r.state == PARKED and not r.awaiting_match),
+        key=lambda r: r.enqueue_seq,
+    )
+    for r in parked if idle else parked[:1]:
+        unpark(core, r, out)
+
+
+def unstall(core: SchedulerCore, out: list[Msg]) -> None:
+    """No running request could take a step for lack of pages and the cache has none
+    to give: free some (park locked waiting matches, else retract one request, else
+    end a lone one); the lease that follows can then be granted."""
+    parkable = [r for r in core.waiting.values() if r.num_cached and not r.awaiting_match]
+    for r in parkable:
+        park(core, r, out)
+    if parkable:
+        return
+    running = list(core.running.values())
+    if len(running) == 1:
+        _abort_lone(core, running[0], out)
+        return
+    victim = min(running, key=lambda r: (r.num_output, -r.num_prompt))
+    retract(core, victim, out)
+    _raise_ratio(core)
+
+
+def unstall_admission(core: SchedulerCore, out: list[Msg]) -> None:
+    """Nothing runs and the next request cannot be admitted: the pages it needs are
+    pinned by the matches of the requests queued behind it. Park those."""
+    order = [r for r in core.order.order(core.waiting.values(), core.now_ns)
+             if not r.awaiting_match]  # fmt: skip
+    for r in order[1:]:
+        if r.num_cached:
+            park(core, r, out)
+
+
+def _abort_lone(core: SchedulerCore, req: Req, out: list[Msg]) -> None:
+    core._emit(req, [], finish=FinishReason.ABORT)
+    core._n["aborted"] += 1
+    core._end_running(req, "aborted", out)
+
+
+def _raise_ratio(core: SchedulerCore) -> None:
+    cfg = core.config
+    running = list(core.running.values())
+    if running:
+        decoded = sum(r.num_output for r in running)
+        max_new = sum(r.sampling.max_new_tokens for r in running)
+        estimate = (decoded + cfg.retract_decode_steps * len(running)) / max(1, max_new)
+        # Raise the reserve: at least back to its initial value (SGLang sets it to
+        # this estimate; taking the max never lowers it on a retraction).
+        core.new_token_ratio = min(
+            1.0, max(core.new_token_ratio, estimate, cfg.init_new_token_ratio)
+        )
+
+
+def retract_for(
+    core: SchedulerCore, decodes: list[Req], prefilling: list[Req], need: int, out: list[Msg]
+) -> int:
+    """Retract running requests until the decodes' page need fits the pool, keeping at
+    least one; returns the remaining need. Victims: fewest output tokens first, then the
+    longest prompt (SGLang's order: the least decoding work is lost)."""
+    cfg = core.config
+    ps = cfg.page_size
+    victims = sorted(prefilling + decodes, key=lambda r: (r.num_output, -r.num_prompt))
+    if len(victims) == 1:
+        # One request alone cannot grow even after the cache was asked since our last
+        # release (the rest of the pool is locked by matches): end it rather than stall.
+        _abort_lone(core, victims[0], out)
+        decodes.clear()
+        prefilling.clear()
+        return 0
+    alive = len(victims)
+    for v in victims:
+        if need <= len(core.pool) or alive <= 1:
+            break
+        if v in decodes:
+            decodes.remove(v)
+            if v.num_planned >= len(v.pages) * ps:
+                need -= 1
+        else:
+            prefilling.remove(v)
+        retract(core, v, out)
+        alive -= 1
+    _raise_ratio(core)
+    return need

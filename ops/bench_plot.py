@@ -1,8 +1,8 @@
 """PNG plot of one `shunter bench serve` run (matplotlib, Agg backend: no display needed).
 
 Four panels: the CDFs of TTFT and ITL (log-scaled time axis, since tails span decades),
-E2E latency of each request against its send time (failures marked on the axis), and
-the number of requests in flight over time. A baseline run (HF transformers on the same
+E2E latency of each request against the time it finished (failures marked on the axis
+at their send time), and the number of requests in flight over time. A baseline run (HF transformers on the same
 requests) is drawn beside the server's in the first three panels when given.
 """
 
@@ -55,9 +55,9 @@ def write_plot(
         ok = [r for r in rs if r.success]
         _cdf(ax_ttft, [r.ttft_s * 1e3 for r in ok if not math.isnan(r.ttft_s)], name, color)
         _cdf(ax_itl, [x * 1e3 for r in ok for x in r.itl_s], name, color)
-        ax_e2e.scatter([r.start_s for r in ok], [r.e2e_s * 1e3 for r in ok], s=10,
+        ax_e2e.scatter([r.start_s + r.e2e_s for r in ok], [r.e2e_s * 1e3 for r in ok], s=10,
                        color=color, label=name, alpha=0.7)  # fmt: skip
-        bad = [r.start_s for r in rs if not r.success]
+        bad = [r.start_s for r in rs if not r.success]  # when they were sent
         if bad:
             ax_e2e.scatter(bad, [0.0] * len(bad), marker="x", color="tab:red",
                            label=f"{name}: failed ({len(bad)})")  # fmt: skip
@@ -68,10 +68,11 @@ def write_plot(
             ax.set_xscale("log")
             ax.legend(loc="lower right")
         ax.grid(True, which="both", alpha=0.3)
-    ax_e2e.set(title="E2E latency by send time", xlabel="send time (s)", ylabel="E2E (ms)")
+    ax_e2e.set(title="E2E latency by finish time (failures: x at send time)",
+               xlabel="time since start (s)", ylabel="E2E (ms)")  # fmt: skip
     ax_e2e.grid(True, alpha=0.3)
     if ax_e2e.collections:
-        ax_e2e.legend(loc="upper left")
+        ax_e2e.legend(loc="best")
     times, counts = _in_flight(results)
     ax_conc.step(times, counts, where="post", color=COLORS[0])
     ax_conc.set(title=f"{label}: requests in flight", xlabel="time (s)", ylabel="requests")

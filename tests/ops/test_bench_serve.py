@@ -364,3 +364,90 @@ def test_cli_bad_arguments_exit_2(capsys):
     assert main(["bench", "serve", "--vocab-size", "50", "--base-url", "http://127.0.0.1:9",
                  "--num-prompts", "2"]) == 2  # fmt: skip
     assert "cannot use the server" in capsys.readouterr().err
+
+
+# -- heavy tier: the real server and HF transformers on the default model -----------------
+
+
+@pytest.fixture(scope="module")
+def real_server(tmp_path_factory):
+    """`shunter serve` on the default model, on a free loopback port."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = tmp_path_factory.mktemp("serve") / "server.log"
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shunter", "serve", "--port", str(port),
+             "--max-total-tokens", "16384", "--log-format", "json"],
+            stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 400
+    try:
+        while True:
+            try:
+                urllib.request.urlopen(url + "/v1/models", timeout=2).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail("server did not start:\n" + log_path.read_text()[-3000:])
+                time.sleep(1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.heavy
+def test_real_server_with_the_hf_baseline(real_server, tmp_path, capsys):
+    png = tmp_path / "run.png"
+    argv = ["bench", "serve", "--base-url", real_server, "--num-prompts", "3", "--seed", "5",
+            "--random-input-len", "16", "--random-output-len", "4", "--random-range-ratio", "1",
+            "--ignore-eos", "--hf-baseline", "--hf-batch-size", "3", "--disable-tqdm",
+            "--plot", str(png)]  # fmt: skip
+    assert main(argv) == 0
+    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (s["completed"], s["failed"]) == (3, 0)
+    assert s["total_output_tokens"] == 12 and s["total_input_tokens"] == 48  # exact lengths
+    assert s["hf_output_token_throughput"] > 0 and s["output_throughput_vs_hf"] == pytest.approx(
+        s["output_token_throughput"] / s["hf_output_token_throughput"]
+    )
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("backend", ["openai-chat", "sglang"])
+def test_real_server_other_endpoints(real_server, backend, capsys):
+    argv = ["bench", "serve", "--base-url", real_server, "--backend", backend,
+            "--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "1",
+            "--gsp-prompts-per-group", "2", "--gsp-system-prompt-len", "24",
+            "--gsp-question-len", "4", "--gsp-output-len", "3", "--ignore-eos",
+            "--max-concurrency", "1", "--disable-tqdm"]  # fmt: skip
+    assert main(argv) == 0
+    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (s["completed"], s["failed"]) == (2, 0) and s["total_output_tokens"] == 6
+    assert s["max_in_flight"] == 1 and s["median_ttft_ms"] > 0
+
+
+@pytest.mark.heavy
+def test_hf_baseline_times_each_request_at_its_own_length():
+    from shunter.ops.bench_hf import run_hf
+
+    reqs = [ds.BenchRequest([504, 3012, 44], 3), ds.BenchRequest([1280, 19, 7, 7, 301], 5)]
+    run = run_hf(reqs, batch_size=2, progress=False)
+    a, b = run.results
+    assert (a.output_len, b.output_len) == (3, 5) and (len(a.itl_s), len(b.itl_s)) == (2, 4)
+    assert run.num_generated_tokens == 10  # the batch runs to its longest request
+    assert a.ttft_s == b.ttft_s and a.e2e_s < b.e2e_s <= run.duration_s
+    assert a.itl_s == b.itl_s[:2]  # one batch, one clock

@@ -8,7 +8,9 @@ output.weight absent means tied embeddings.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -41,27 +43,130 @@ _TOP_NAMES = {
 _SKIP = {"rope_freqs.weight"}
 
 
-def open_reader(path: str) -> Any:
+class GGUFFormatError(ValueError):
+    """The file is not a well-formed GGUF file (bad magic, truncated, ...)."""
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    shape: tuple[int, ...]  # GGUF order (innermost first), as llama.cpp writes it
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    data: np.ndarray  # raw bytes (quantized: uint8 [rows, row_bytes]) or typed array
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    metadata: dict[str, Any]
+    tensors: list[GGUFTensor]
+
+
+# GGUF value types: id -> struct format (scalars); 8 = string, 9 = array
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+           11: "<q", 12: "<d"}  # fmt: skip
+# array keys whose contents are not needed here: only their length is kept
+_SKIP_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                "tokenizer.ggml.scores")  # fmt: skip
+
+
+class _Cursor:
+    def __init__(self, buf: memoryview) -> None:
+        self.buf, self.pos = buf, 0
+
+    def unpack(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        if self.pos + size > len(self.buf):
+            raise GGUFFormatError(f"truncated header at byte {self.pos}")
+        (v,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return v
+
+    def string(self) -> str:
+        n = self.unpack("<Q")
+        if self.pos + n > len(self.buf):
+            raise GGUFFormatError(f"truncated string at byte {self.pos}")
+        v = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8", errors="replace")
+        self.pos += n
+        return v
+
+    def value(self, vtype: int, keep: bool = True) -> Any:
+        if vtype in _SCALAR:
+            return self.unpack(_SCALAR[vtype])
+        if vtype == 8:
+            if keep:
+                return self.string()
+            n = self.unpack("<Q")
+            self.pos += n
+            if self.pos > len(self.buf):
+                raise GGUFFormatError("truncated string array")
+            return None
+        if vtype == 9:
+            etype, count = self.unpack("<I"), self.unpack("<Q")
+            if not keep and etype in _SCALAR:  # skip fixed-size elements in one jump
+                self.pos += count * struct.calcsize(_SCALAR[etype])
+                if self.pos > len(self.buf):
+                    raise GGUFFormatError("truncated array")
+                return [None] * count
+            items = [self.value(etype, keep) for _ in range(count)]
+            return items if keep else [None] * count
+        raise GGUFFormatError(f"unknown GGUF value type {vtype}")
+
+
+def open_reader(path: str) -> GGUFFile:
+    """Parse a GGUF file's header and map its tensors (no data is copied or
+    dequantized here). Raises GGUFFormatError on a malformed or truncated file."""
     import gguf
 
-    return gguf.GGUFReader(path)
-
-
-def read_metadata(reader: Any) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        mm = np.memmap(f, dtype=np.uint8, mode="r")
+    buf = memoryview(mm)
+    cur = _Cursor(buf)
+    if bytes(buf[:4]) != b"GGUF":
+        raise GGUFFormatError("not a GGUF file (bad magic)")
+    cur.pos = 4
+    version = cur.unpack("<I")
+    if version not in (2, 3):
+        raise GGUFFormatError(f"unsupported GGUF version {version}")
+    num_tensors, num_kv = cur.unpack("<Q"), cur.unpack("<Q")
     meta: dict[str, Any] = {}
-    for name, field in reader.fields.items():
-        if name.startswith("tokenizer.ggml.") and name not in (
-            "tokenizer.ggml.bos_token_id",
-            "tokenizer.ggml.eos_token_id",
-        ):
-            if name == "tokenizer.ggml.tokens":
-                meta[name] = [None] * len(field.data)  # only the count is needed
-            continue
+    for _ in range(num_kv):
+        key = cur.string()
+        meta[key] = cur.value(cur.unpack("<I"), keep=key not in _SKIP_ARRAYS)
+    infos = []
+    for _ in range(num_tensors):
+        name = cur.string()
+        dims = tuple(cur.unpack("<Q") for _ in range(cur.unpack("<I")))
+        infos.append((name, dims, cur.unpack("<I"), cur.unpack("<Q")))
+    align = int(meta.get("general.alignment", 32))
+    data_start = -(-cur.pos // align) * align
+    tensors = []
+    for name, dims, tid, offset in infos:
         try:
-            meta[name] = field.contents()
-        except Exception:  # a field of an exotic type: not one the config reads
-            continue
-    return meta
+            qtype = gguf.GGMLQuantizationType(tid)
+        except ValueError:
+            raise GGUFFormatError(f"tensor {name}: unknown type id {tid}") from None
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        num_elems = int(np.prod(dims)) if dims else 1
+        nbytes = num_elems // block * type_size
+        begin = data_start + offset
+        if begin + nbytes > len(mm):
+            raise GGUFFormatError(
+                f"truncated: tensor {name} needs bytes {begin}..{begin + nbytes}, file has {len(mm)}"
+            )
+        raw = mm[begin : begin + nbytes]
+        rows = num_elems // dims[0] if dims else 1
+        if qtype == gguf.GGMLQuantizationType.F32:
+            data = raw.view(np.float32).reshape(*reversed(dims))
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            data = raw.view(np.float16).reshape(*reversed(dims))
+        else:
+            data = raw.reshape(rows, -1)
+        tensors.append(GGUFTensor(name, dims, qtype, data))
+    return GGUFFile(meta, tensors)
+
+
+def read_metadata(reader: GGUFFile) -> dict[str, Any]:
+    return reader.metadata
 
 
 def config_from_reader(reader: Any, overrides: dict | None = None) -> ModelConfig:
@@ -87,17 +192,41 @@ def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
+def _dequantize_torch(raw: np.ndarray, qtype: Any) -> torch.Tensor | None:
+    """Q4_1 and Q8_0 in torch (the default model's types), with the same float32
+    operations as gguf.quants so results are identical; None for other types."""
+    import gguf
+
+    t = torch.from_numpy(np.array(raw, dtype=np.uint8))  # [rows, row_bytes], a copy
+    if qtype == gguf.GGMLQuantizationType.Q4_1:  # block: f16 d, f16 m, 16 bytes of nibbles
+        b = t.reshape(-1, 20)
+        d = b[:, 0:2].contiguous().view(torch.float16).float()  # [nb, 1]
+        m = b[:, 2:4].contiguous().view(torch.float16).float()
+        qs = b[:, 4:]
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=1).float()  # [nb, 32]: low nibbles first
+        return (d * q + m).reshape(raw.shape[0], -1)
+    if qtype == gguf.GGMLQuantizationType.Q8_0:  # block: f16 d, 32 int8
+        b = t.reshape(-1, 34)
+        d = b[:, 0:2].contiguous().view(torch.float16).float()
+        q = b[:, 2:].contiguous().view(torch.int8).float()
+        return (d * q).reshape(raw.shape[0], -1)
+    return None
+
+
 def dequantize(tensor: Any) -> torch.Tensor:
-    """A ReaderTensor -> float32 torch tensor in HF (row-major [out, in]) shape."""
+    """A GGUFTensor -> float32 torch tensor in HF (row-major [out, in]) shape."""
     import gguf
 
     qtype = tensor.tensor_type
+    shape = tuple(int(x) for x in reversed(tensor.shape))
     if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-        arr = np.asarray(tensor.data, dtype=np.float32)
+        arr = np.array(tensor.data, dtype=np.float32)  # a copy: the source is a read-only map
     else:
-        arr = gguf.quants.dequantize(tensor.data, qtype)
-    shape = tuple(int(x) for x in reversed(tensor.shape.tolist()))
-    return torch.from_numpy(np.array(arr, dtype=np.float32, copy=True).reshape(shape))
+        fast = _dequantize_torch(tensor.data, qtype)
+        if fast is not None:
+            return fast.reshape(shape)
+        arr = np.ascontiguousarray(gguf.quants.dequantize(tensor.data, qtype), dtype=np.float32)
+    return torch.from_numpy(arr.reshape(shape))
 
 
 def iter_weights(reader: Any, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

@@ -128,6 +128,23 @@ def test_default_gguf_config_and_tied_embeddings(default_model):
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(134.5e6, rel=0.01)
 
 
+def test_torch_dequantization_equals_gguf_quants():
+    import gguf
+
+    from shunter.actors.executor import loader_gguf
+    from shunter.actors.model_files import resolve_model
+
+    reader = loader_gguf.open_reader(resolve_model(None).path)
+    seen = set()
+    for t in reader.tensors:
+        if t.tensor_type.name in ("Q4_1", "Q8_0") and t.tensor_type.name not in seen:
+            seen.add(t.tensor_type.name)
+            ours = loader_gguf.dequantize(t)
+            want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))
+            assert torch.equal(ours, want.reshape(ours.shape)), t.name
+    assert seen == {"Q4_1", "Q8_0"}
+
+
 def test_dummy_weights_are_seeded(tiny_model_dir):
     d = str(tiny_model_dir("qwen3_qknorm"))
     a, cfg = load_model(d, load_format="dummy", seed=3, progress=False)

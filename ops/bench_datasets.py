@@ -135,3 +135,31 @@ def with_output_len(requests: list[BenchRequest], output_len: int) -> list[Bench
     """Every request asks for exactly `output_len` tokens (--max-tokens)."""
     _positive(max_tokens=output_len)
     return [msgspec.structs.replace(r, output_len=output_len) for r in requests]
+
+
+def from_args(args, load_tokenizer: Callable) -> list[BenchRequest]:
+    """The dataset `shunter bench serve`'s arguments describe, with text prompts where the
+    backend needs them. The tokenizer (`load_tokenizer(model_path)`) is loaded only for
+    text prompts or when --vocab-size is not given."""
+    as_text = args.backend == "openai-chat" or args.prompt_format == "text"
+    tokenizer = None
+    if as_text or args.vocab_size is None:
+        tokenizer = load_tokenizer(args.model_path)
+    if args.vocab_size is not None:
+        pool = token_pool(args.vocab_size)
+    else:
+        pool = token_pool(len(tokenizer), tokenizer.all_special_ids)
+    if args.dataset_name == "random":
+        spec = RandomSpec(args.num_prompts, args.random_input_len, args.random_output_len,
+                          args.random_range_ratio)  # fmt: skip
+        requests = random_requests(spec, pool, args.seed)
+    else:
+        gsp = SharedPrefixSpec(args.gsp_num_groups, args.gsp_prompts_per_group,
+                               args.gsp_system_prompt_len, args.gsp_question_len,
+                               args.gsp_output_len)  # fmt: skip
+        requests = shared_prefix_requests(gsp, pool, args.seed)
+    if args.max_tokens is not None:
+        requests = with_output_len(requests, args.max_tokens)
+    if as_text:
+        requests = with_text(requests, tokenizer.decode)
+    return requests

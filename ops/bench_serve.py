@@ -315,34 +315,6 @@ async def discover_model(base_url: str, api_key: str | None) -> str:
     return data[0]["id"]
 
 
-def build_requests(args: argparse.Namespace) -> list[ds.BenchRequest]:
-    """The dataset the arguments describe, with text prompts where the backend needs them."""
-    as_text = args.backend == "openai-chat" or args.prompt_format == "text"
-    tokenizer = None
-    if as_text or args.vocab_size is None:
-        from shunter.ops.bench_hf import load_tokenizer
-
-        tokenizer = load_tokenizer(args.model_path)
-    if args.vocab_size is not None:
-        pool = ds.token_pool(args.vocab_size)
-    else:
-        pool = ds.token_pool(len(tokenizer), tokenizer.all_special_ids)
-    if args.dataset_name == "random":
-        spec = ds.RandomSpec(args.num_prompts, args.random_input_len, args.random_output_len,
-                             args.random_range_ratio)  # fmt: skip
-        requests = ds.random_requests(spec, pool, args.seed)
-    else:
-        gsp = ds.SharedPrefixSpec(args.gsp_num_groups, args.gsp_prompts_per_group,
-                                  args.gsp_system_prompt_len, args.gsp_question_len,
-                                  args.gsp_output_len)  # fmt: skip
-        requests = ds.shared_prefix_requests(gsp, pool, args.seed)
-    if args.max_tokens is not None:
-        requests = ds.with_output_len(requests, args.max_tokens)
-    if as_text:
-        requests = ds.with_text(requests, tokenizer.decode)
-    return requests
-
-
 def _client_config(args: argparse.Namespace, model: str | None) -> ClientConfig:
     extra = json.loads(args.extra_body) if args.extra_body else {}
     if not isinstance(extra, dict):
@@ -373,7 +345,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--warmup-requests must be >= 0")
         if args.backend != "hf":
             _client_config(args, None)  # bad load arguments fail before any tokenizer loads
-        requests = build_requests(args)
+        from shunter.ops.bench_hf import load_tokenizer
+
+        requests = ds.from_args(args, load_tokenizer)
     except ValueError as e:
         print(f"bench serve: {e}", file=sys.stderr)
         return 2

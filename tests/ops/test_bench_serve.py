@@ -451,3 +451,24 @@ def test_hf_baseline_times_each_request_at_its_own_length():
     assert run.num_generated_tokens == 10  # the batch runs to its longest request
     assert a.ttft_s == b.ttft_s and a.e2e_s < b.e2e_s <= run.duration_s
     assert a.itl_s == b.itl_s[:2]  # one batch, one clock
+
+
+@pytest.mark.heavy
+def test_text_prompts_from_the_real_tokenizer():
+    import argparse
+
+    from shunter.ops.bench_hf import load_tokenizer
+    from shunter.ops.bench_serve import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--backend", "openai-chat", "--dataset-name", "generated-shared-prefix",
+                              "--gsp-num-groups", "2", "--gsp-prompts-per-group", "3",
+                              "--gsp-system-prompt-len", "40", "--gsp-question-len", "8"])  # fmt: skip
+    tokenizer = load_tokenizer(None)
+    reqs = ds.from_args(args, lambda path: tokenizer)
+    assert len(reqs) == 6 and all(r.prompt_text for r in reqs)
+    assert not {i for r in reqs for i in r.prompt_ids} & set(tokenizer.all_special_ids)
+    shared = tokenizer.decode(reqs[0].prompt_ids[:40])
+    assert all(r.prompt_text.startswith(shared) for r in reqs[:3])
+    assert not reqs[3].prompt_text.startswith(shared)

@@ -106,12 +106,18 @@ class ModelRunner:
                 raise ValueError(f"entry {b}: {nn_} new tokens with seq_len {sl}")
             if st.shape[0] < sl:
                 raise ValueError(f"entry {b}: slot table holds {st.shape[0]} < seq_len {sl}")
-            if sl > 0 and (int(st[:sl].max()) >= self.kv_pool.num_slots or int(st[:sl].min()) < 0):
-                raise ValueError(f"entry {b}: slot out of range [0, {self.kv_pool.num_slots})")
+        # one reduction over all tables instead of two per entry
+        used = torch.cat([st[:sl] for st, sl in zip(inp.slot_tables, inp.seq_lens, strict=True)])
+        lo, hi = torch.aminmax(used)
+        if int(lo) < 0 or int(hi) >= self.kv_pool.num_slots:
+            raise ValueError(f"slot out of range [0, {self.kv_pool.num_slots})")
         if num_tokens and (
             int(inp.input_ids.min()) < 0 or int(inp.input_ids.max()) >= self.config.vocab_size
         ):
             raise ValueError(f"input id out of range [0, {self.config.vocab_size})")
+        last = torch.tensor(inp.num_new_tokens).cumsum(0) - 1  # [E] row of each entry's last token
+        if not torch.equal(inp.positions[last].cpu(), torch.tensor(inp.seq_lens) - 1):
+            raise ValueError("an entry's last new token is not at position seq_len - 1")
         li = inp.logits_indices
         if li.numel() and (int(li.min()) < 0 or int(li.max()) >= num_tokens):
             raise ValueError(f"logits index out of range [0, {num_tokens})")

@@ -61,6 +61,7 @@ def test_bad_input_is_rejected_before_writing(runner16):
         dict(logits_indices=torch.tensor([2])),
         dict(num_new_tokens=[], seq_lens=[], slot_tables=[]),
         dict(seq_lens=[1]),
+        dict(positions=torch.tensor([1, 2])),
     ]
     for change in bad:
         with pytest.raises(ValueError):

@@ -26,7 +26,7 @@ def model(client):
     return models[0].id
 
 
-def post(server, path, body, timeout_s=120.0):
+def post(server, path, body, timeout_s=300.0):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(server.base_url + path, data=data,
                                  headers={"Content-Type": "application/json"})  # fmt: skip
@@ -43,7 +43,7 @@ def test_greedy_generate_equals_the_reference_ids(server, reference):
     status, body = post(server, "/generate", {
         "input_ids": [p["input_ids"] for p in prompts],
         "sampling_params": {"temperature": 0, "max_new_tokens": 32},
-    })  # fmt: skip
+    }, timeout_s=540)  # fmt: skip
     assert status == 200, body
     outs = json.loads(body)
     assert len(outs) == len(prompts)

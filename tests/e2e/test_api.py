@@ -15,7 +15,7 @@ import pytest
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(
-        base_url=server.base_url + "/v1", api_key="none", timeout=120, max_retries=0
+        base_url=server.base_url + "/v1", api_key="none", timeout=300, max_retries=0
     )
 
 
@@ -127,7 +127,7 @@ def test_generate_streaming_framing(server):
                        "stream": True}).encode()  # fmt: skip
     req = urllib.request.Request(server.base_url + "/generate", data=body,
                                  headers={"Content-Type": "application/json"})  # fmt: skip
-    with urllib.request.urlopen(req, timeout=60) as r:
+    with urllib.request.urlopen(req, timeout=300) as r:
         assert r.headers["Content-Type"].startswith("text/event-stream")
         raw = r.read().decode()
     events = raw.split("\n\n")

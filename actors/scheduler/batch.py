@@ -67,10 +67,6 @@ class BatchBuilder:
         starts a page gets one from the end of pool_pages. Returns pages drawn."""
         n = len(reqs)
         starts = [r.num_planned for r in reqs]
-        for r in reqs:
-            r.num_planned += 1
-            r.num_inflight += 1
-            r.inflight_samples += 1
         self.rows += [r.row for r in reqs]
         self.num_new_tokens += [1] * n
         self.start_pos += starts
@@ -84,11 +80,17 @@ class BatchBuilder:
             del pool_pages[len(pool_pages) - n :]
             for r, page in zip(reqs, taken):
                 r.pages.append(page)
+                r.num_planned += 1
+                r.num_inflight += 1
+                r.inflight_samples += 1
             new_pages += taken
             counts += [1] * n
             return n
         drawn = 0
         for r, start in zip(reqs, starts):
+            r.num_planned += 1
+            r.num_inflight += 1
+            r.inflight_samples += 1
             pages = r.pages
             if start >= len(pages) * page_size:
                 page = pool_pages.pop()

@@ -7,6 +7,8 @@ import http.client
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -81,6 +83,13 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path, mode, start_se
     last = result["payloads"][-1]
     assert last["meta_info"]["finish_reason"]["type"] == "length", last  # finished, not cut
     assert len(last["output_ids"]) == 16
+    # The recording of the whole run replays: the cache manager's decisions reproduce.
+    replay = subprocess.run(
+        [sys.executable, "-m", "shunter.ops.busctl", "replay", str(server.events_dir),
+         "--actor", "cache"], capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert replay.returncode == 0, replay.stdout + replay.stderr
+    assert "identical" in replay.stdout
 
 
 def _actor_pids(server) -> dict[str, int]:

@@ -232,7 +232,13 @@ async def _serve_multi_process(a: ServerArgs, seed: int, handle_signals: bool, h
     runtime_dir = tempfile.mkdtemp(prefix="shunter-")
     endpoints = default_endpoints(runtime_dir)
     broker = Broker(endpoints.frontend, endpoints.backend)
-    broker.start()
+    try:
+        broker.start()
+    except Exception as e:  # zmq errors included; ops/ does not import zmq itself
+        log.error("the bus broker could not start", error=f"{type(e).__name__}: {e}",
+                  frontend=endpoints.frontend)  # fmt: skip
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+        return 1
     log.info("broker started", frontend=endpoints.frontend, backend=endpoints.backend)
 
     async def launch(spec: ActorSpec, ready: Mapping[str, Ready]):

@@ -124,3 +124,50 @@ def test_public_server_info_hides_only_secrets():
     info = public_server_info(ServerArgs(admin_api_key="adm"))
     assert info["admin_api_key"] == "<set>" and info["api_key"] is None
     assert info["port"] == 30000
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_the_real_gateway_on_a_taken_port_fails_start_up_with_the_reason():
+    """The gateway actor (no model needed) under the supervisor, its port already bound."""
+    import socket
+
+    from shunter.actors.supervisor import EmbeddedActor, Supervisor, run_with_heartbeats
+    from shunter.actors.supervisor_core import ActorSpec, SupervisorConfig
+    from shunter.bus.transport import InProcHub
+    from shunter.ops.launch import resolve
+
+    hub = InProcHub()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    entry, config_type = resolve("gateway")
+    config = config_type(port=port)
+
+    import anyio
+
+    async with anyio.create_task_group() as tg:
+
+        async def launch(spec, ready):
+            bus = hub.connect(spec.actor_id)
+            handle = EmbeddedActor(
+                spec.actor_id,
+                lambda: run_with_heartbeats(spec.actor_id, lambda: entry(config, bus), bus, 0.2),
+            )
+            tg.start_soon(handle.run)
+            return handle
+
+        sup = Supervisor(SupervisorConfig([ActorSpec("gateway", "gateway", 0)]), hub.connect("supervisor"),
+                         {"gateway": launch}, handle_signals=False)  # fmt: skip
+        with anyio.fail_after(30):
+            code = await sup.run()
+        tg.cancel_scope.cancel()
+    taken.close()
+    assert code == 1
+    assert sup.exit.reason.startswith("start-up failed: gateway stopped: raised OSError:")
+    assert "address already in use" in sup.exit.reason.lower()

@@ -41,7 +41,9 @@ def apply_result(core: SchedulerCore, res: StepResult, out: list[Msg]) -> None:
         if sample:
             k += 1
             req.inflight_samples -= 1
-        if req.end_reason is not None:  # ended meanwhile: its token is dropped
+        if req.end_reason is not None:  # ended meanwhile: no more output from it
+            if sample and error is None:
+                req.all_ids.append(tokens[k])  # its KV may be computed (and cached) next
             if req.num_inflight == 0:
                 core._end_running(req, req.end_reason, out)
             continue

@@ -528,3 +528,44 @@ def test_ticks_publish_load_statistics():
     assert stats.num_running == 2 or stats.num_running + stats.num_waiting == 2
     assert stats.gen_throughput_tok_s == pytest.approx(4.0)  # 4 tokens in one second
     assert f.core.now_ns == 2_000_000_000
+
+
+# ---- overlap (two batches in flight) -------------------------------------------------
+
+
+def test_overlap_plans_the_next_step_before_the_result_and_drops_a_finished_entry():
+    f = Feeder(max_batches_in_flight=2, eos_token_ids=(2,))
+    out = f.send(matched("a", range(10, 14), max_new=10))
+    b1, b2 = [m for m in out if isinstance(m, ForwardBatch)]
+    assert b1.start_pos == [0] and b1.num_new_tokens == [4] and b1.sample == [True]
+    assert b2.start_pos == [4] and b2.input_ids == [LAST_SAMPLED]  # planned before b1's result
+    assert f.core.statistics().num_in_flight == 2
+    # b1's token is eos: the request ends now; b2 is in flight and still writes its pages
+    out = f.step(b1, token=2)
+    assert [o.finish_reason for o in outputs(out)] == ["stop"]
+    assert not of(out, SequenceReleased) and "a" in f.core.ending
+    out = f.step(b2, token=99)
+    assert not outputs(out)  # the wasted entry's token is dropped
+    (rel,) = of(out, SequenceReleased)
+    assert rel.reason == "finished" and rel.token_ids == [10, 11, 12, 13, 2]
+    assert not f.core.ending and f.core.num_held == 0
+
+
+def test_overlap_plans_no_entry_past_the_last_allowed_token():
+    f = Feeder(max_batches_in_flight=2)
+    out = f.send(matched("one", range(3), max_new=1))
+    batches = [m for m in out if isinstance(m, ForwardBatch)]
+    assert len(batches) == 1  # its only token is in flight: nothing more to plan
+    assert outputs(f.step(batches[0]))[0].finish_reason == "length"
+    assert of(f.log, SequenceReleased)[-1].reason == "finished"
+
+
+def test_overlap_abort_waits_for_every_batch_in_flight():
+    f = Feeder(max_batches_in_flight=2)
+    out = f.send(matched("x", range(3), max_new=10))
+    b1, b2 = [m for m in out if isinstance(m, ForwardBatch)]
+    out = f.send(AbortRequest("x"))
+    assert [o.finish_reason for o in outputs(out)] == ["abort"] and not of(out, SequenceReleased)
+    assert not of(f.step(b1), SequenceReleased)
+    (rel,) = of(f.step(b2), SequenceReleased)
+    assert rel.reason == "aborted" and rel.token_ids == [0, 1, 2, 7]

@@ -3,14 +3,19 @@ server arguments (and the executor's Ready) onto each actor's config."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
+import anyio
 import pytest
 
-from shunter.actors.supervisor_core import SupervisorCore
+from shunter.actors.supervisor import EmbeddedActor, Supervisor, run_with_heartbeats
+from shunter.actors.supervisor_core import ActorSpec, SupervisorConfig, SupervisorCore
 from shunter.bus.messages import Ready
+from shunter.bus.transport import InProcHub
 from shunter.ops import serve
+from shunter.ops.launch import resolve
 from shunter.ops.serve import (
     EXECUTOR_ID,
     actor_specs,
@@ -134,13 +139,6 @@ def anyio_backend():
 @pytest.mark.anyio
 async def test_the_real_gateway_on_a_taken_port_fails_start_up_with_the_reason():
     """The gateway actor (no model needed) under the supervisor, its port already bound."""
-    import socket
-
-    from shunter.actors.supervisor import EmbeddedActor, Supervisor, run_with_heartbeats
-    from shunter.actors.supervisor_core import ActorSpec, SupervisorConfig
-    from shunter.bus.transport import InProcHub
-    from shunter.ops.launch import resolve
-
     hub = InProcHub()
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
@@ -148,8 +146,6 @@ async def test_the_real_gateway_on_a_taken_port_fails_start_up_with_the_reason()
     port = taken.getsockname()[1]
     entry, config_type = resolve("gateway")
     config = config_type(port=port)
-
-    import anyio
 
     async with anyio.create_task_group() as tg:
 

@@ -12,7 +12,8 @@ HF's in the same run:
      B * steps / (time between the first and the last decode step's token), as in
      /work/shared/reference/cpu_anchors.md. HF's loop is a plain greedy loop over its
      KV cache (model(next_ids, cache=...)), which is generate() without its
-     per-step overhead, so the ratio does not flatter us.
+     per-step overhead, so the ratio does not flatter us. The engines alternate step
+     by step (prefill: run by run), so load from other work on the machine hits both.
 
 Prints a line per figure, then a JSON summary as the LAST line (keys prefill_tok_s,
 decode_tok_s_bs{B}, hf_*, and *_vs_hf ratios). --profile prints where our decode
@@ -195,40 +196,54 @@ def bench_prefill(ours: Ours, hf: HF | None, prompt: list[int], repeats: int) ->
     return out
 
 
-def _decode_ours(
-    ours: Ours, prompts: list[list[int]], steps: int, profile: bool
-) -> tuple[float, list]:
+def bench_decode(
+    ours: Ours, hf: HF | None, prompts: list[list[int]], steps: int, profile: bool
+) -> tuple[float, float | None, list, list]:
+    """(our time, HF's time, our tokens, HF's tokens) of `steps` decode steps. The two
+    engines alternate step by step, so a machine shared with other work slows both
+    alike and their ratio stays meaningful. HF's prefill runs the batch at once (same
+    length prompts, no padding); ours in batches of ~1024 tokens."""
     ours.reset()
     rows = list(range(len(prompts)))
-    chunk = max(1, 1024 // len(prompts[0]))  # prefill in batches of ~1024 tokens
+    chunk = max(1, 1024 // len(prompts[0]))
     first: list[int] = []
     for i in range(0, len(rows), chunk):
         first += ours.prefill(prompts[i : i + chunk], rows[i : i + chunk])
-    prof = cProfile.Profile() if profile else None
     seqs = [[t] for t in first]
-    t0 = time.perf_counter()
-    if prof:
-        prof.enable()
-    for _ in tqdm(range(steps), desc=f"ours decode bs={len(rows)}", file=sys.stderr, leave=False):
-        for s, t in zip(seqs, ours.decode(rows)):
+    seqs_hf: list[list[int]] = []
+    if hf is not None:
+        nxt, cache = hf.prefill(prompts)
+        seqs_hf = [[t] for t in nxt.squeeze(1).tolist()]
+    # One untimed step each first: one-time costs (allocations, lazy init) stay out.
+    for s, t in zip(seqs, ours.decode(rows)):
+        s.append(t)
+    if hf is not None:
+        nxt, cache = hf.decode(nxt, cache)
+        for s, t in zip(seqs_hf, nxt.squeeze(1).tolist()):
             s.append(t)
+    prof = cProfile.Profile() if profile else None
+    dt = dt_hf = 0.0
+    for _ in tqdm(range(steps), desc=f"decode bs={len(rows)}", file=sys.stderr, leave=False):
+        t0 = time.perf_counter()
+        if prof:
+            prof.enable()
+        toks = ours.decode(rows)
+        if prof:
+            prof.disable()
+        dt += time.perf_counter() - t0
+        for s, t in zip(seqs, toks):
+            s.append(t)
+        if hf is not None:
+            t0 = time.perf_counter()
+            nxt, cache = hf.decode(nxt, cache)
+            dt_hf += time.perf_counter() - t0
+            for s, t in zip(seqs_hf, nxt.squeeze(1).tolist()):
+                s.append(t)
     if prof:
-        prof.disable()
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
         print(buf.getvalue(), file=sys.stderr)
-    return time.perf_counter() - t0, seqs
-
-
-def _decode_hf(hf: HF, prompts: list[list[int]], steps: int) -> tuple[float, list]:
-    nxt, past = hf.prefill(prompts)
-    seqs = [[t] for t in nxt.squeeze(1).tolist()]
-    t0 = time.perf_counter()
-    for _ in tqdm(range(steps), desc=f"hf decode bs={len(prompts)}", file=sys.stderr, leave=False):
-        nxt, past = hf.decode(nxt, past)
-        for s, t in zip(seqs, nxt.squeeze(1).tolist()):
-            s.append(t)
-    return time.perf_counter() - t0, seqs
+    return dt, (dt_hf if hf is not None else None), seqs, seqs_hf
 
 
 def run(args: argparse.Namespace) -> int:
@@ -239,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     torch.set_num_threads(args.threads)
     max_tokens = max(
-        args.prefill_len, max(batch_sizes) * (args.decode_prompt_len + args.decode_steps + 1)
+        args.prefill_len, max(batch_sizes) * (args.decode_prompt_len + args.decode_steps + 2)
     )
     max_tokens += args.page_size * (max(batch_sizes) + 1)
     t0 = time.perf_counter()
@@ -265,12 +280,11 @@ def run(args: argparse.Namespace) -> int:
     for bs in batch_sizes:
         prompts = _random_prompts(bs, args.decode_prompt_len, vocab, args.seed + bs)
         profile = args.profile and bs == max(batch_sizes)
-        dt, seqs = _decode_ours(ours, prompts, args.decode_steps, profile)
+        dt, dt_hf, seqs, seqs_hf = bench_decode(ours, hf, prompts, args.decode_steps, profile)
         key = f"decode_tok_s_bs{bs}"
         summary[key] = bs * args.decode_steps / dt
         line = f"decode bs={bs}: ours {summary[key]:.1f} tok/s ({dt / args.decode_steps * 1e3:.1f} ms/step)"
-        if hf is not None:
-            dt_hf, seqs_hf = _decode_hf(hf, prompts, args.decode_steps)
+        if dt_hf is not None:
             summary[f"hf_{key}"] = bs * args.decode_steps / dt_hf
             summary[f"decode_bs{bs}_vs_hf"] = summary[key] / summary[f"hf_{key}"]
             # Same weights, same greedy rule: the first tokens should agree (float noise

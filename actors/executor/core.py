@@ -239,7 +239,6 @@ class ExecutorCore:
                 row.num_resumed = o.num_output_tokens
         for e, k in zip(entries, b.num_new_pages):
             row = self._rows[e.row_idx]
-            e.row = row
             row.num_tokens += len(e.ids)
             row.num_pages += k
             if row.sampling.params.repetition_penalty != 1.0:

@@ -58,7 +58,6 @@ class Entry(msgspec.Struct):
     """One entry of a planned batch."""
 
     row_idx: int
-    row: Row | None  # None: opened by this batch (see opened)
     start: int
     ids: list[int]  # resolved input ids
     base_pages: int  # pages the row holds before this entry's new ones
@@ -118,7 +117,6 @@ def plan_batch(
         num_new_pages = b.num_new_pages[i]
         pos += num_new
         row = opened.get(row_idx)
-        is_open = row is not None
         if row is None:
             row = rows.get(row_idx) if row_idx not in closed else None
         if row is None:
@@ -159,7 +157,6 @@ def plan_batch(
         start_lp = row.sampling.params.logprob_start_len
         lp_from = max(start_lp, row.num_tokens) if start_lp >= 0 and not row.has_sampled else -1
         entries.append(
-            Entry(row_idx, None if is_open else row, row.num_tokens, ids, row.num_pages,
-                   b.sample[i], lp_from)
+            Entry(row_idx, row.num_tokens, ids, row.num_pages, b.sample[i], lp_from)
         )  # fmt: skip
     return entries, opened

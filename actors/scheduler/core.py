@@ -195,14 +195,11 @@ class SchedulerCore:
             out.insert(num_planned, batch)
             num_planned += 1
             self._boundary = True
-        if num_planned:
-            pass  # planning leased what the pool needs
-        elif isinstance(msg, Matched):
-            req = self.waiting.get(msg.request.request_id)
-            if req is not None:
-                plan.lease_ahead(self, req, out)
-        elif isinstance(msg, LeaseGranted):  # a short grant may leave the pool below want
-            plan.keep_lease(self, out, self.lease_want)
+        if not num_planned:  # (planning leases what the pool needs itself)
+            if isinstance(msg, Matched) and msg.request.request_id in self.waiting:
+                plan.lease_ahead(self, self.waiting[msg.request.request_id], out)
+            elif isinstance(msg, LeaseGranted):  # a short grant may leave the pool short
+                plan.keep_lease(self, out, self.lease_want)
         if self._outputs:
             out.append(TokensOut(step_id=self.step_id, outputs=self._outputs))
             self._outputs = []

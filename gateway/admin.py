@@ -92,7 +92,7 @@ async def get_server_info(request: web.Request) -> web.Response:
         **cfg.server_info,
         "served_model_name": cfg.served_model_name, "model_path": cfg.model_path,
         "max_context_len": cfg.max_context_len, "version": _version(),
-        "num_in_flight_requests": len(ctx.engine.streams),
+        "gateway": msgspec.structs.asdict(ctx.engine.statistics()),
         "dead_actors": dict(ctx.engine.dead),
         "internal_states": [msgspec.structs.asdict(stats) if stats else {}],
     })  # fmt: skip

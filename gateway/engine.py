@@ -29,6 +29,7 @@ import time
 import uuid
 
 import anyio
+import msgspec
 import structlog
 
 from shunter.bus.messages import (
@@ -124,6 +125,14 @@ class RequestGroup:
         return await self.next()
 
 
+class GatewayStats(msgspec.Struct, frozen=True):
+    num_in_flight: int  # requests the gateway waits on
+    num_requests: int  # received since start (health probes excluded)
+    num_failed: int
+    dead_actors: tuple[str, ...]
+    shutting_down: bool
+
+
 class Engine:
     def __init__(self, bus: Bus, config: GatewayConfig, metrics: Metrics) -> None:
         self.bus = bus
@@ -133,6 +142,13 @@ class Engine:
         self.dead: dict[str, str] = {}  # actor id -> reason, from ActorDied
         self.shutting_down: str | None = None
         self.stats: SchedulerStats | None = None
+
+    def statistics(self) -> GatewayStats:
+        m = self.metrics
+        return GatewayStats(
+            len(self.streams), m.num_requests_total, m.num_failed_total,
+            tuple(sorted(self.dead)), self.shutting_down is not None,
+        )  # fmt: skip
 
     # -- the reader task -----------------------------------------------------------------
 

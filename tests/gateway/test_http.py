@@ -228,6 +228,7 @@ def test_health_metrics_info_and_flush(stack):
     assert info["model_path"] == "/models/smollm2.gguf" and info["is_generation"] is True
     sinfo = requests.get(stack.url + "/get_server_info", timeout=5).json()
     assert sinfo["max_context_len"] == 512 and sinfo["internal_states"][0]["cache_hit_rate"] == 0.25
+    assert sinfo["gateway"]["num_requests"] >= 1 and sinfo["gateway"]["shutting_down"] is False
     r = _post(stack, "/flush_cache", raw="")
     assert r.status_code == 200 and "7 pages" in r.text
 

@@ -30,6 +30,7 @@ from shunter.bus.messages import (
     SchedulerCensus,
     SchedulerConfigured,
     SchedulerStats,
+    Shutdown,
     Tokenized,
     TokensOut,
 )
@@ -157,3 +158,37 @@ def test_replay_catches_a_scheduler_that_decides_differently(tmp_path):
                          config=("sched.config",))  # fmt: skip
     result = replay(tmp_path, spec)
     assert not result.identical and "FIRST DIVERGENCE" in result.report()
+
+
+@pytest.mark.anyio
+async def test_shutdown_drain_timeout_aborts_what_is_left():
+    """No executor answers, so nothing can finish: after the drain timeout the shell
+    aborts every request through the bus, and each gets its final output."""
+    hub = InProcHub()
+    driver = hub.connect("driver")
+    cfg = SchedulerConfig(page_size=1, lease_min_pages=4)
+    async with anyio.create_task_group() as tg:
+        await tg.start(run_cache, CacheConfig(num_pages=64, page_size=1), hub.connect("cache"))
+        async with driver.subscribe("sched.tokens", "req.abort") as sub:
+            await tg.start(
+                partial(run_scheduler, tick_interval_s=0.05), cfg, hub.connect("scheduler")
+            )
+            for i in range(3):
+                await driver.publish(
+                    Tokenized(f"s{i}", [i + 1] * 4, SamplingParams(max_new_tokens=5))
+                )
+            await anyio.sleep(0.1)
+            await driver.publish(Shutdown("sigterm", drain_timeout_s=0.2))
+            finals, aborts = {}, set()
+            with anyio.fail_after(10):
+                while len(finals) < 3:
+                    msg = (await sub.receive()).msg
+                    if isinstance(msg, AbortRequest):
+                        aborts.add((msg.request_id, msg.reason))
+                    else:
+                        finals |= {
+                            o.request_id: o.finish_reason for o in msg.outputs if o.finish_reason
+                        }
+        tg.cancel_scope.cancel()
+    assert finals == {"s0": "abort", "s1": "abort", "s2": "abort"}
+    assert aborts == {("s0", "shutdown"), ("s1", "shutdown"), ("s2", "shutdown")}

@@ -90,6 +90,8 @@ def attention_decode(
     k = k_cache.index_select(0, flat).view(*bsz_l, *k_cache.shape[1:]).transpose(1, 2)
     v = v_cache.index_select(0, flat).view(*bsz_l, *v_cache.shape[1:]).transpose(1, 2)
     # k, v: [B, Hkv, L, D]
+    if k.dtype != torch.float32 and k.device.type == "cpu":
+        k, v = k.float(), v.float()  # torch's reduced-precision CPU attention is far slower
     out = F.scaled_dot_product_attention(
         q[:, :, None, :].to(k.dtype),  # [B, H, 1, D]
         k,

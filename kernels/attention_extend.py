@@ -98,6 +98,8 @@ def attention_extend(
     num_heads = q.shape[1]
     gqa = k.shape[1] != num_heads
     out = torch.empty_like(q)
+    # torch's reduced-precision CPU attention is far slower than float32
+    upcast = q.dtype != torch.float32 and q.device.type == "cpu"
     for n, start, slots, mask in zip(
         plan.num_new_tokens, plan.q_starts, plan.slot_tables, plan.masks, strict=True
     ):
@@ -105,12 +107,16 @@ def attention_extend(
         if mask is None:
             ke = k[start : start + n].transpose(0, 1)[None]  # [1, Hkv, n, D]
             ve = v[start : start + n].transpose(0, 1)[None]
+            if upcast:
+                qe, ke, ve = qe.float(), ke.float(), ve.float()
             o = F.scaled_dot_product_attention(
                 qe, ke, ve, is_causal=True, scale=scale, enable_gqa=gqa
             )
         else:
             ke = k_cache.index_select(0, slots).transpose(0, 1)[None]  # [1, Hkv, seq_len, D]
             ve = v_cache.index_select(0, slots).transpose(0, 1)[None]
+            if upcast or (ke.dtype != torch.float32 and ke.device.type == "cpu"):
+                qe, ke, ve = qe.float(), ke.float(), ve.float()
             o = F.scaled_dot_product_attention(
                 qe.to(ke.dtype), ke, ve, attn_mask=mask, scale=scale, enable_gqa=gqa
             )

@@ -72,30 +72,29 @@ def apply_rope_ref(
 def rope_gather(
     cos_sin_cache: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Once per step: (cos, sin), each [T, 1, D/2] float32, for positions [T] int64."""
+    """Once per step: (cos, sin_signed), each [T, 1, D] float32, for positions [T]
+    int64: cos = [c, c], sin_signed = [-s, s], so that a rotation is
+    x * cos + swap_halves(x) * sin_signed."""
     if positions.numel() and int(positions.max()) >= cos_sin_cache.shape[0]:
         raise ValueError(
             f"position {int(positions.max())} beyond the rope table ({cos_sin_cache.shape[0]})"
         )
     half = cos_sin_cache.shape[-1] // 2
-    cs = cos_sin_cache.index_select(0, positions)[:, None, :]  # [T, 1, D]
-    return cs[..., :half], cs[..., half:]
+    cs = cos_sin_cache.index_select(0, positions)  # [T, D]: c | s
+    cos = torch.cat([cs[:, :half], cs[:, :half]], -1)[:, None, :]
+    sin = torch.cat([-cs[:, half:], cs[:, half:]], -1)[:, None, :]
+    return cos, sin
 
 
 def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, H, D] (any row stride, last axis contiguous) by the angles of
-    `rope_gather`; returns a new contiguous tensor of x's dtype. Computed as
-    x1*cos - x2*sin, x2*cos + x1*sin with separate roundings, exactly as HF does."""
+    `rope_gather`; returns a new contiguous tensor of x's dtype. Each half is
+    x1*c + x2*(-s) and x2*c + x1*s with separate roundings, which is bit for bit
+    HF's x*cos + rotate_half(x)*sin."""
     if x.dtype != torch.float32:
         return rope_rotate(x.float(), cos, sin).to(x.dtype)
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    o1, o2 = out[..., :half], out[..., half:]
-    torch.mul(x1, cos, out=o1)
-    o1.sub_(x2 * sin)
-    torch.mul(x2, cos, out=o2)
-    o2.add_(x1 * sin)
+    out = x * cos
+    out += torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
     return out
 
 

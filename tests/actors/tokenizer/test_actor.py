@@ -38,7 +38,9 @@ async def _run_with(codec, body):
 
 def test_actor_round_trip(codec):
     async def body(probe, sub, ready):
-        assert ready == Ready("tokenizer", "tokenizer", {"context_len": 256, "vocab_size": 49152})
+        assert (ready.actor, ready.actor_id) == ("tokenizer", "tokenizer")
+        assert (ready.info["context_len"], ready.info["vocab_size"]) == (256, 49152)
+        assert '"context_len":256' in ready.info["config"]
         await probe.publish(GenerateRequest("a", SamplingParams(stop=["World"]), text="hi"))
         tok = (await sub.receive()).msg
         assert isinstance(tok, Tokenized) and tok.input_ids == codec.encode("hi")

@@ -21,6 +21,9 @@ import torch
 from shunter.actors.executor.models.config import ModelConfig
 
 DEFAULT_HOST_MEM_FRACTION = 0.25
+# With no budget at all on a CPU, also stop here: the pool is zeroed up front (it costs
+# its full size in RSS and seconds of memset), and a CPU engine cannot use more.
+DEFAULT_CPU_MAX_TOKENS = 32768
 
 
 class KVPoolStats(msgspec.Struct, frozen=True):
@@ -88,8 +91,8 @@ class KVPool:
     ) -> KVPool:
         """Size the pool from one budget, in this order of precedence: max_total_tokens
         (exact token count, rounded up to whole pages), mem_bytes (bytes for K+V of all
-        layers), host_mem_fraction (of MemAvailable now; default 0.25 on a CPU). On a
-        CUDA device without a budget, 0.8 of the free device memory is used."""
+        layers), host_mem_fraction (of MemAvailable now). With no budget: on a CPU 0.25
+        of MemAvailable capped at DEFAULT_CPU_MAX_TOKENS; on CUDA 0.8 of free memory."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         elem = torch.empty((), dtype=dtype).element_size()
@@ -99,6 +102,7 @@ class KVPool:
                 raise ValueError(f"max_total_tokens must be >= 1, got {max_total_tokens}")
             num_tokens = max_total_tokens
         else:
+            mem_bytes_given = mem_bytes
             if mem_bytes is None:
                 dev = torch.device(device)
                 if dev.type == "cuda" and host_mem_fraction is None:
@@ -119,6 +123,9 @@ class KVPool:
                     f"({per_token * page_size} bytes at {per_token} bytes/token)"
                 )
             num_tokens = mem_bytes // per_token
+            no_budget = mem_bytes_given is None and host_mem_fraction is None
+            if no_budget and torch.device(device).type == "cpu":
+                num_tokens = min(num_tokens, DEFAULT_CPU_MAX_TOKENS)
         num_pages = (
             -(-num_tokens // page_size) if max_total_tokens is not None else num_tokens // page_size
         )

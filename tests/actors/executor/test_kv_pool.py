@@ -38,6 +38,15 @@ def test_from_budget_precedence_and_rounding():
     assert p.num_slots >= 1
 
 
+def test_no_budget_on_cpu_is_capped():
+    from shunter.actors.executor.kv_pool import DEFAULT_CPU_MAX_TOKENS
+
+    small = ModelConfig(family="llama", vocab_size=8, hidden_size=4, intermediate_size=8,
+                        num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2)  # fmt: skip
+    p = KVPool.from_budget(small, dtype=torch.float32, device="cpu", page_size=16)
+    assert p.num_slots == DEFAULT_CPU_MAX_TOKENS  # 512 KiB: far below any host's memory
+
+
 def test_from_budget_rejects_impossible_budgets():
     with pytest.raises(ValueError, match="below one page"):
         KVPool.from_budget(

@@ -1,4 +1,9 @@
-"""GGUF weights and config: read with gguf.GGUFReader, dequantized to float32.
+"""GGUF weights and config, dequantized to float32.
+
+The header is parsed here (`open_reader`): the tokenizer's arrays are skipped, not
+decoded, and tensor data stays memory-mapped until each tensor is dequantized (Q4_1
+and Q8_0 in torch, other types through gguf.quants), so a load costs about one pass
+over the file. A truncated or malformed file raises GGUFFormatError naming the spot.
 
 llama.cpp's converter permutes the rows of q and k for the "llama" architecture (it
 rotates interleaved pairs, HF rotates halves); `unpermute_qk` undoes that so weights
@@ -102,6 +107,8 @@ class _Cursor:
             return None
         if vtype == 9:
             etype, count = self.unpack("<I"), self.unpack("<Q")
+            if count > len(self.buf) - self.pos:  # every element takes at least one byte
+                raise GGUFFormatError(f"array of {count} elements overruns the file")
             if not keep and etype in _SCALAR:  # skip fixed-size elements in one jump
                 self.pos += count * struct.calcsize(_SCALAR[etype])
                 if self.pos > len(self.buf):

@@ -16,7 +16,8 @@ HF's in the same run:
      by step (prefill: run by run), so load from other work on the machine hits both.
 
 Prints a line per figure, then a JSON summary as the LAST line (keys prefill_tok_s,
-decode_tok_s_bs{B}, hf_*, and *_vs_hf ratios). --profile prints where our decode
+decode_tok_s_bs{B}, hf_*, *_vs_hf ratios, and core_overhead_ms_bs{B}: the per-step
+time outside the model runner: planning, staging, sampling). --profile prints where our decode
 step's time goes (cProfile, largest batch).
 """
 
@@ -76,6 +77,19 @@ class Ours:
         self.row_pages: dict[int, int] = {}
         self.row_len: dict[int, int] = {}
         self._pending_closes: list[int] = []
+        # Time inside the model runner, so the core's own share of a step shows apart.
+        self.forward_s = 0.0
+        self.core_overhead_s = 0.0
+        forward = self.core.runner.forward
+
+        def timed_forward(inp):
+            t0 = time.perf_counter()
+            try:
+                return forward(inp)
+            finally:
+                self.forward_s += time.perf_counter() - t0
+
+        self.core.runner.forward = timed_forward
 
     def _send(self, batch: ForwardBatch) -> list[int]:
         (res,) = self.core.handle(batch)
@@ -223,6 +237,7 @@ def bench_decode(
             s.append(t)
     prof = cProfile.Profile() if profile else None
     dt = dt_hf = 0.0
+    ours.forward_s = 0.0
     for _ in tqdm(range(steps), desc=f"decode bs={len(rows)}", file=sys.stderr, leave=False):
         t0 = time.perf_counter()
         if prof:
@@ -243,6 +258,7 @@ def bench_decode(
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
         print(buf.getvalue(), file=sys.stderr)
+    ours.core_overhead_s = dt - ours.forward_s  # planning, staging, sampling, messages
     return dt, (dt_hf if hf is not None else None), seqs, seqs_hf
 
 
@@ -283,7 +299,10 @@ def run(args: argparse.Namespace) -> int:
         dt, dt_hf, seqs, seqs_hf = bench_decode(ours, hf, prompts, args.decode_steps, profile)
         key = f"decode_tok_s_bs{bs}"
         summary[key] = bs * args.decode_steps / dt
-        line = f"decode bs={bs}: ours {summary[key]:.1f} tok/s ({dt / args.decode_steps * 1e3:.1f} ms/step)"
+        overhead_ms = ours.core_overhead_s / args.decode_steps * 1e3
+        summary[f"core_overhead_ms_bs{bs}"] = overhead_ms
+        line = (f"decode bs={bs}: ours {summary[key]:.1f} tok/s ({dt / args.decode_steps * 1e3:.1f}"
+                f" ms/step, {overhead_ms:.2f} ms outside the model runner)")  # fmt: skip
         if dt_hf is not None:
             summary[f"hf_{key}"] = bs * args.decode_steps / dt_hf
             summary[f"decode_bs{bs}_vs_hf"] = summary[key] / summary[f"hf_{key}"]

@@ -49,6 +49,8 @@ from shunter.bus.messages.request import SamplingParams
 
 # Temperatures at or below this are greedy (a division by ~0 would overflow anyway).
 GREEDY_TEMPERATURE = 1e-5
+# Top-p first looks for the nucleus among this many most likely tokens (see _sample_group).
+NUCLEUS_CANDIDATES = 1024
 
 
 def validate_params(params: SamplingParams, vocab_size: int) -> str | None:
@@ -243,13 +245,29 @@ def _sample_group(x: torch.Tensor, rows: Sequence[RowSampling], sorted_path: boo
     top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else num_vocab for r in rows])
     min_p = torch.tensor([r.params.min_p for r in rows], dtype=x.dtype)
     uniforms = torch.cat([torch.rand(1, generator=r.generator) for r in rows])  # [G]
-    if sorted_path:
-        probs, order = probs.sort(dim=-1, descending=True)
-        top_p = torch.tensor([r.params.top_p for r in rows], dtype=x.dtype)
-        kept = truncate_probs(probs, top_k, top_p, min_p)
-        return order.gather(1, _draw(kept, uniforms).unsqueeze(1)).squeeze(1)
-    kept = truncate_probs(probs, top_k, None, min_p)
-    return _draw(kept, uniforms)
+    if not sorted_path:
+        return _draw(truncate_probs(probs, top_k, None, min_p), uniforms)
+    top_p = torch.tensor([r.params.top_p for r in rows], dtype=x.dtype)
+    # Sorting the whole vocabulary is the cost of top-p. When the NUCLEUS_CANDIDATES
+    # most likely tokens already hold more than top_p (plus a margin for rounding), the
+    # nucleus lies inside them, so sorting them alone (topk) gives the same kept set in
+    # the same order; the other rows sort everything. Which way a row goes depends only
+    # on its own distribution, so batch composition still does not change its token.
+    num_cand = min(num_vocab, NUCLEUS_CANDIDATES)
+    cand, cand_order = probs.topk(num_cand, dim=-1)  # [G, C] descending
+    narrow = cand.sum(-1) > top_p + 1e-4  # [G] bool
+    tokens = torch.empty(len(rows), dtype=torch.int64)
+    for is_narrow in (True, False):
+        sel = (narrow == is_narrow).nonzero().squeeze(1)  # [S]
+        if sel.numel() == 0:
+            continue
+        if is_narrow:
+            sorted_probs, order = cand[sel], cand_order[sel]
+        else:
+            sorted_probs, order = probs[sel].sort(dim=-1, descending=True)
+        kept = truncate_probs(sorted_probs, top_k[sel], top_p[sel], min_p[sel])
+        tokens[sel] = order.gather(1, _draw(kept, uniforms[sel]).unsqueeze(1)).squeeze(1)
+    return tokens
 
 
 def sample(logits: torch.Tensor, rows: Sequence[RowSampling]) -> SampleOutput:

@@ -265,3 +265,46 @@ def test_resume_continues_the_random_stream_and_counts():
     assert _run([resumed], steps[3:])[0] == first[3:]
     fresh = _row(seed=77, eos=(1,), **params)  # same seed, no resume: the stream restarts
     assert _run([fresh], steps[:3])[0] == first[:3]
+
+
+def test_sampled_tokens_match_a_plain_reference_sampler():
+    """Every non-greedy path (vocabulary order, top-p inside the candidate set, top-p
+    over the whole sorted vocabulary) against a per-row reference: softmax, the kept
+    set of _reference_keep, then inverse CDF with the row's own first uniform."""
+    num_vocab = 4096  # > NUCLEUS_CANDIDATES, so flat rows take the full sort
+    g = torch.Generator().manual_seed(21)
+    params, logits = [], []
+    for i in range(48):
+        kind = i % 4
+        if kind == 0:
+            p = dict(temperature=0.9)
+        elif kind == 1:
+            p = dict(temperature=0.7, top_k=int(torch.randint(1, 300, (1,), generator=g)))
+        elif kind == 2:
+            p = dict(temperature=1.0, top_p=0.8, min_p=0.01)
+        else:
+            p = dict(temperature=1.2, top_p=0.95, top_k=2000)
+        scale = 6.0 if i % 8 < 4 else 0.3  # peaked rows and nearly flat rows
+        params.append(p)
+        logits.append(torch.randn(num_vocab, generator=g) * scale)
+    x = torch.stack(logits)
+    rows = [_row(seed=1000 + i, **p) for i, p in enumerate(params)]
+    got = sample(x, rows).token_ids
+    for i, p in enumerate(params):
+        u = float(torch.rand(1, generator=torch.Generator().manual_seed(1000 + i)))
+        probs = torch.softmax(x[i].double() / p["temperature"], -1)
+        keep = _reference_keep(probs.tolist(), p.get("top_k", -1), p.get("top_p", 1.0),
+                               p.get("min_p", 0.0))  # fmt: skip
+        if p.get("top_p", 1.0) < 1.0:
+            order = probs.argsort(descending=True).tolist()
+        else:
+            order = list(range(num_vocab))
+        kept = [(t, float(probs[t])) for t in order if t in keep]
+        total = sum(q for _, q in kept)
+        acc, want = 0.0, kept[-1][0]
+        for t, q in kept:
+            acc += q
+            if acc > u * total:
+                want = t
+                break
+        assert got[i] == want, (i, p)

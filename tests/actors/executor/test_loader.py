@@ -220,7 +220,8 @@ def test_error_missing_shard(tiny_model_dir, tmp_path):
 def test_error_truncated_gguf(tiny_model_dir, tmp_path):
     path = _write_gguf(tiny_model_dir("llama"), tmp_path / "t.gguf")
     data = path.read_bytes()
-    for cut in (len(data) - 1000, 100, 10):
+    cuts = {len(data) - 1000, 100, 10, 3, *range(24, len(data) - 1, max(1, len(data) // 40))}
+    for cut in sorted(cuts):
         path.write_bytes(data[:cut])
         with pytest.raises(LoadError, match=r"t\.gguf"):
             load_model(str(path), progress=False)

@@ -291,7 +291,9 @@ def sample(logits: torch.Tensor, rows: Sequence[RowSampling]) -> SampleOutput:
                 for i, r in enumerate(rows)
                 if not r.greedy and (r.params.top_p < 1.0) == sorted_path
             ]
-            if idx:
+            if len(idx) == len(rows):  # one group holds every row: no gather copy
+                tokens = _sample_group(x, rows, sorted_path)
+            elif idx:
                 t = torch.tensor(idx)
                 tokens[t] = _sample_group(x[t], [rows[i] for i in idx], sorted_path)
 

@@ -74,42 +74,48 @@ def load_model(model_path: str | None, dtype: str):
 class _StepClock:
     """A stopping criterion that never stops: it timestamps every decoding step."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str) -> None:
         self.times_s: list[float] = []
+        self.sync = device.startswith("cuda")
 
     def __call__(self, input_ids, scores, **kwargs):
         import torch
 
+        if self.sync:  # the step's kernels are queued, not done
+            torch.cuda.synchronize()
         self.times_s.append(time.perf_counter())
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def _generate(model, batch: list[BenchRequest], pad_id: int) -> tuple[list[float], int]:
+def _generate(
+    model, batch: list[BenchRequest], pad_id: int, device: str
+) -> tuple[list[float], int]:
     """Greedy generate for one static batch -> (step times, tokens generated per row)."""
     import torch
     from transformers import StoppingCriteriaList
 
     width = max(r.prompt_len for r in batch)
-    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # [B, width] cpu
-    mask = torch.zeros((len(batch), width), dtype=torch.long)  # [B, width] cpu
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # [B, width]
+    mask = torch.zeros((len(batch), width), dtype=torch.long)  # [B, width]
     for i, r in enumerate(batch):
         input_ids[i, width - r.prompt_len :] = torch.tensor(r.prompt_ids)
         mask[i, width - r.prompt_len :] = 1
     num_new = max(r.output_len for r in batch)
-    clock = _StepClock()
+    clock = _StepClock(device)
     with torch.inference_mode():
         out = model.generate(
-            input_ids=input_ids, attention_mask=mask, max_new_tokens=num_new,
+            input_ids=input_ids.to(device), attention_mask=mask.to(device), max_new_tokens=num_new,
             min_new_tokens=num_new, do_sample=False, pad_token_id=pad_id,
             stopping_criteria=StoppingCriteriaList([clock]),
         )  # fmt: skip
-    # out: [B, width + num_generated] cpu
+    # out: [B, width + num_generated] on device
     return clock.times_s, int(out.shape[1] - width)
 
 
 def run_hf(
     requests: list[BenchRequest], *, model_path: str | None = None, batch_size: int = 8,
-    dtype: str = "float32", num_threads: int | None = None, progress: bool = True,
+    dtype: str = "float32", num_threads: int | None = None, device: str = "cpu",
+    progress: bool = True,
 ) -> HFRun:  # fmt: skip
     """Generate every request with HF transformers; per-request records like the server run's."""
     import torch
@@ -118,27 +124,28 @@ def run_hf(
         raise ValueError(f"--hf-batch-size must be >= 1, got {batch_size}")
     if not requests:
         raise ValueError("the HF baseline needs at least one request")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--hf-device {device}: torch sees no CUDA device")
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     t_load = time.perf_counter()
-    model = load_model(model_path, dtype)
+    model = load_model(model_path, dtype).to(device)
     load_s = time.perf_counter() - t_load
     cfg = model.generation_config
     eos = cfg.eos_token_id if cfg.eos_token_id is not None else model.config.eos_token_id
     pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else eos
     pad_id = (pad_id[0] if isinstance(pad_id, list) else pad_id) or 0
-    log.info(
-        "hf model loaded", load_s=round(load_s, 2), dtype=dtype, threads=torch.get_num_threads()
-    )
+    log.info("hf model loaded", load_s=round(load_s, 2), dtype=dtype, device=device,
+             threads=torch.get_num_threads())  # fmt: skip
     warm = msgspec.structs.replace(requests[0], output_len=2)
-    _generate(model, [warm], pad_id)
+    _generate(model, [warm], pad_id, device)
 
     results: list[RequestResult] = []
     num_generated = 0
     batches = [requests[i : i + batch_size] for i in range(0, len(requests), batch_size)]
     t0 = time.perf_counter()
     for batch in tqdm(batches, desc="hf batches", file=sys.stderr, disable=not progress):
-        steps_s, num_new = _generate(model, batch, pad_id)
+        steps_s, num_new = _generate(model, batch, pad_id, device)
         num_generated += num_new * len(batch)
         for r in batch:
             n = min(r.output_len, num_new, len(steps_s))

@@ -8,7 +8,9 @@ Definitions (successful requests only; failed ones are counted and their error t
 kept): TTFT = first content chunk - send; ITL = every gap between consecutive content
 chunks; TPOT = (E2E - TTFT) / (output tokens - 1), for requests with > 1 token; E2E =
 end of stream - send; throughputs divide by the run's duration (first send to last
-end); `concurrency` = sum of E2E / duration, the mean number of requests in flight.
+end); `concurrency` = sum of E2E / duration, the mean number of requests in flight;
+`cache_hit_rate` = prompt tokens the server reports as cached (usage
+prompt_tokens_details.cached_tokens, or meta_info.cached_tokens) / prompt tokens.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class RequestResult(msgspec.Struct):
     itl_s: list[float] = []
     e2e_s: float = math.nan
     start_s: float = 0.0  # send time, from the benchmark's start
+    cached_len: int = 0  # prompt tokens the server reports as served from its prefix cache
 
 
 def _stats(name: str, values_ms: list[float]) -> dict:
@@ -51,13 +54,15 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict:
     ok = [r for r in results if r.success]
     num_in = sum(r.prompt_len for r in ok)
     num_out = sum(r.output_len for r in ok)
+    num_cached = sum(r.cached_len for r in ok)
     d = duration_s if duration_s > 0 else math.nan
     out = {
         "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration_s,
         "total_input_tokens": num_in, "total_output_tokens": num_out,
         "request_throughput": len(ok) / d, "input_token_throughput": num_in / d,
         "output_token_throughput": num_out / d, "total_token_throughput": (num_in + num_out) / d,
-        "concurrency": sum(r.e2e_s for r in ok) / d,
+        "concurrency": sum(r.e2e_s for r in ok) / d, "total_cached_tokens": num_cached,
+        "cache_hit_rate": num_cached / num_in if num_in else None,
     }  # fmt: skip
     out.update(_stats("ttft", [r.ttft_s * 1e3 for r in ok if not math.isnan(r.ttft_s)]))
     out.update(_stats("tpot", [(r.e2e_s - r.ttft_s) / (r.output_len - 1) * 1e3
@@ -83,7 +88,8 @@ def format_table(s: dict) -> str:
             ("Request throughput (req/s)", s.get("request_throughput")),
             ("Input token throughput (tok/s)", s.get("input_token_throughput")),
             ("Output token throughput (tok/s)", s.get("output_token_throughput")),
-            ("Mean concurrency", s.get("concurrency"))]  # fmt: skip
+            ("Mean concurrency", s.get("concurrency")),
+            ("Prefix cache hit rate", s.get("cache_hit_rate"))]  # fmt: skip
     for m, title in (("e2e", "E2E latency"), ("ttft", "Time to first token"),
                      ("tpot", "Time per output token (excl. 1st)"), ("itl", "Inter-token latency")):  # fmt: skip
         rows.append((f"-- {title} (ms)", ""))

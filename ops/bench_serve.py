@@ -103,6 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-batch-size", type=int, default=8, help="static batch size of HF generate")
     g.add_argument("--hf-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     g.add_argument("--hf-threads", type=int, default=None, help="torch threads (default: torch's)")
+    g.add_argument("--hf-device", default="cpu", help="where HF runs: cpu, cuda, cuda:N")
 
 
 class ClientConfig(msgspec.Struct, frozen=True):
@@ -187,6 +188,7 @@ class _Stream:
             if "completion_tokens" in meta:
                 self.usage_tokens = meta["completion_tokens"]
                 self.r.prompt_len = meta.get("prompt_tokens", self.r.prompt_len)
+                self.r.cached_len = meta.get("cached_tokens", 0) or 0
         else:
             content = False
             for c in obj.get("choices") or []:
@@ -195,6 +197,8 @@ class _Stream:
             if usage:
                 self.usage_tokens = usage.get("completion_tokens")
                 self.r.prompt_len = usage.get("prompt_tokens", self.r.prompt_len)
+                details = usage.get("prompt_tokens_details") or {}
+                self.r.cached_len = details.get("cached_tokens", 0) or 0
         if content:
             self.num_chunks += 1
             if self.num_chunks == 1:
@@ -372,14 +376,19 @@ def run(args: argparse.Namespace) -> int:
     if args.backend == "hf" or args.hf_baseline:
         from shunter.ops.bench_hf import run_hf
 
-        hf = run_hf(requests, model_path=args.model_path, batch_size=args.hf_batch_size,
-                    dtype=args.hf_dtype, num_threads=args.hf_threads,
-                    progress=not args.disable_tqdm)  # fmt: skip
+        try:
+            hf = run_hf(requests, model_path=args.model_path, batch_size=args.hf_batch_size,
+                        dtype=args.hf_dtype, num_threads=args.hf_threads, device=args.hf_device,
+                        progress=not args.disable_tqdm)  # fmt: skip
+        except ValueError as e:
+            print(f"bench serve: HF baseline: {e}", file=sys.stderr)
+            return 2
         hf_summary = summarize(hf.results, hf.duration_s)
         if served is None:
             summary.update(hf_summary)
         summary.update(
-            hf_batch_size=hf.batch_size, hf_dtype=args.hf_dtype, hf_duration_s=hf.duration_s,
+            hf_batch_size=hf.batch_size, hf_dtype=args.hf_dtype, hf_device=args.hf_device,
+            hf_duration_s=hf.duration_s,
             hf_request_throughput=hf_summary["request_throughput"],
             hf_output_token_throughput=hf_summary["output_token_throughput"],
             hf_median_ttft_ms=hf_summary["median_ttft_ms"],

@@ -18,6 +18,7 @@ import threading
 import numpy as np
 import pytest
 import structlog
+import torch
 from aiohttp import web
 
 from shunter.ops import bench_datasets as ds
@@ -104,7 +105,8 @@ class ScriptedServer:
                     await send({"error": {"message": "engine died", "code": 500}})
                     break
                 if sglang:
-                    meta = {"prompt_tokens": len(prompt), "completion_tokens": i + 1}
+                    meta = {"prompt_tokens": len(prompt), "completion_tokens": i + 1,
+                            "cached_tokens": 2}  # fmt: skip
                     await send({"text": "x" * (i + 1), "output_ids": list(range(i + 1)),
                                 "meta_info": meta})  # fmt: skip
                 elif request.path == "/v1/chat/completions":
@@ -113,7 +115,8 @@ class ScriptedServer:
                     await send({"choices": [{"index": 0, "text": "x"}], "usage": None})
             opts = body.get("stream_options") or {}
             if opts.get("include_usage") and not sglang:
-                usage = {"prompt_tokens": 1000 + n, "completion_tokens": n}
+                usage = {"prompt_tokens": 1000 + n, "completion_tokens": n,
+                         "prompt_tokens_details": {"cached_tokens": 1000}}  # fmt: skip
                 await send({"choices": [], "usage": usage})
             self.in_flight -= 1  # before [DONE]: the client may send its next request then
             done = True
@@ -221,13 +224,14 @@ def test_payloads_carry_the_length_controls():
 
 def test_summary_arithmetic():
     rs = [
-        RequestResult(True, "", 10, 5, 0.1, [0.02, 0.02, 0.03, 0.03], 0.2, 0.0),
-        RequestResult(True, "", 20, 1, 0.3, [], 0.3, 0.5),
+        RequestResult(True, "", 10, 5, 0.1, [0.02, 0.02, 0.03, 0.03], 0.2, 0.0, cached_len=6),
+        RequestResult(True, "", 20, 1, 0.3, [], 0.3, 0.5, cached_len=9),
         RequestResult(False, "HTTP 400: bad", 0, 0),
     ]
     s = summarize(rs, duration_s=2.0)
     assert (s["completed"], s["failed"]) == (2, 1) and s["errors"] == {"HTTP 400: bad": 1}
     assert s["total_input_tokens"] == 30 and s["output_token_throughput"] == 3.0
+    assert s["total_cached_tokens"] == 15 and s["cache_hit_rate"] == 0.5
     assert s["request_throughput"] == 1.0 and s["concurrency"] == pytest.approx(0.25)
     assert s["mean_ttft_ms"] == pytest.approx(200.0) and s["median_e2e_ms"] == pytest.approx(250)
     assert s["mean_tpot_ms"] == pytest.approx(25.0)  # (0.2 - 0.1) / 4, the 1-token request has none
@@ -253,8 +257,10 @@ def test_ttft_itl_e2e_match_the_scripted_delays(backend):
     # usage overrides the request's own count: the script reports 1000 + n prompt tokens
     expected_prompt = 3 if backend == "sglang" else 1005
     assert [r.prompt_len for r in run.results] == [expected_prompt] * 3
+    assert [r.cached_len for r in run.results] == [2 if backend == "sglang" else 1000] * 3
     s = summarize(run.results, run.duration_s)
     assert s["median_ttft_ms"] == pytest.approx(TTFT_S * 1e3, abs=25)
+    assert s["cache_hit_rate"] == pytest.approx(2 / 3 if backend == "sglang" else 1000 / 1005)
     assert s["median_tpot_ms"] == pytest.approx(ITL_S * 1e3, abs=15)
 
 
@@ -364,6 +370,12 @@ def test_cli_bad_arguments_exit_2(capsys):
     assert main(["bench", "serve", "--vocab-size", "50", "--base-url", "http://127.0.0.1:9",
                  "--num-prompts", "2"]) == 2  # fmt: skip
     assert "cannot use the server" in capsys.readouterr().err
+    hf = ["bench", "serve", "--backend", "hf", "--vocab-size", "50", "--num-prompts", "2"]
+    assert main([*hf, "--hf-batch-size", "0"]) == 2  # refused before any model loads
+    assert "--hf-batch-size must be >= 1" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main([*hf, "--hf-device", "cuda"]) == 2
+        assert "no CUDA device" in capsys.readouterr().err
 
 
 # -- heavy tier: the real server and HF transformers on the default model -----------------

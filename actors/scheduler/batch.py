@@ -15,20 +15,24 @@ from shunter.bus.messages import LAST_SAMPLED, ForwardBatch, RowOpen
 
 
 class InFlight:
-    """A sent batch awaiting its StepResult: (request, num_new, sample) per entry, and
-    the rows that sample, in order (what the result's rows must be)."""
+    """A sent batch awaiting its StepResult: (request, num_new, sample) per prefill
+    entry, the decoding requests (entries after those, one sampled token each), and the
+    rows that sample, in order (what the result's rows must be)."""
 
-    __slots__ = ("entries", "num_sampling", "sampling_rows", "step_id")
+    __slots__ = ("decodes", "entries", "num_sampling", "sampling_rows", "step_id")
 
-    def __init__(self, step_id: int, batch: ForwardBatch, entries: list) -> None:
+    def __init__(
+        self, step_id: int, batch: ForwardBatch, entries: list, decodes: list[Req]
+    ) -> None:
         self.step_id = step_id
         self.entries = entries
+        self.decodes = decodes
         self.sampling_rows = [r for r, s in zip(batch.rows, batch.sample) if s]
         self.num_sampling = len(self.sampling_rows)
 
 
 class BatchBuilder:
-    __slots__ = ("entries", "input_ids", "new_pages", "num_new_pages", "num_new_tokens",
+    __slots__ = ("decodes", "entries", "input_ids", "new_pages", "num_new_pages", "num_new_tokens",
                  "opens", "rows", "sample", "start_pos")  # fmt: skip
 
     def __init__(self) -> None:
@@ -40,10 +44,11 @@ class BatchBuilder:
         self.new_pages: list[int] = []
         self.num_new_pages: list[int] = []
         self.sample: list[bool] = []
-        self.entries: list[tuple[Req, int, bool]] = []
+        self.entries: list[tuple[Req, int, bool]] = []  # prefill pieces
+        self.decodes: list[Req] = []  # decode entries, after the prefill pieces
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return len(self.entries) + len(self.decodes)
 
     def add_extend(self, req: Req, num_new: int, new_pages: list[int], sample: bool) -> None:
         """Prefill (or re-prefill after retraction) of all_ids[num_planned : +num_new]."""
@@ -72,7 +77,7 @@ class BatchBuilder:
         self.start_pos += starts
         self.input_ids += [LAST_SAMPLED] * n
         self.sample += [True] * n
-        self.entries += [(r, 1, True) for r in reqs]
+        self.decodes += reqs
         new_pages = self.new_pages
         counts = self.num_new_pages
         if page_size == 1:  # every decode starts a page: draw them in one slice

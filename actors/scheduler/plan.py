@@ -106,7 +106,7 @@ def plan_step(core: SchedulerCore, out: list[Msg]) -> ForwardBatch | None:
         return None
     core.step_id += 1
     batch = builder.build(core.step_id, core.rows.take_closes(), core.version)
-    core.in_flight.append(InFlight(core.step_id, batch, builder.entries))
+    core.in_flight.append(InFlight(core.step_id, batch, builder.entries, builder.decodes))
     return batch
 
 

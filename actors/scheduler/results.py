@@ -1,8 +1,8 @@
 """Applying a StepResult: tokens appended, stop conditions, outputs, chunk hand-over.
 
 Split from core.py to keep it readable; this is the per-step hot path (256 rows decode
-in well under a millisecond), so the common case (a decode entry that neither stops nor
-asked for logprobs) runs in one tight loop with locals, no helper calls.
+in well under a millisecond), so plain decode entries (no logprobs, not ended, no error)
+run in one tight loop with locals; anything else takes `_apply_entry`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from shunter.bus.messages import FinishReason, Msg, RequestFailed, RequestOutput
 
 if TYPE_CHECKING:
     from shunter.actors.scheduler.core import SchedulerCore
+    from shunter.actors.scheduler.req import Req
 
 _NONE: list = []  # shared empty field value of outputs (never mutated)
 
@@ -29,39 +30,24 @@ def apply_result(core: SchedulerCore, res: StepResult, out: list[Msg]) -> None:
         error = f"result has {len(rows)} rows, the batch sampled {inf.num_sampling}"
     if error is None and rows != inf.sampling_rows:
         error = "result rows do not match the batch's sampling rows"
-    prompt_lps = res.prompt_logprobs
-    ask_top = len(res.top_logprobs) == len(rows)
-    max_context_len = core.config.max_context_len
-    outputs = core._outputs
     num_generated = num_prefill = 0
     k = -1
-    for req, num_new, sample in inf.entries:
-        req.num_computed += num_new
-        req.num_inflight -= 1
+    for req, num_new, sample in inf.entries:  # prefill pieces
         if sample:
             k += 1
-            req.inflight_samples -= 1
-        if req.end_reason is not None:  # ended meanwhile: no more output from it
-            if sample and error is None:
-                req.all_ids.append(tokens[k])  # its KV may be computed (and cached) next
-            if req.num_inflight == 0:
-                core._end_running(req, req.end_reason, out)
+        g, p = _apply_entry(core, req, num_new, sample, k, res, error, out)
+        num_generated += g
+        num_prefill += p
+    max_context_len = core.config.max_context_len
+    outputs = core._outputs
+    for req in inf.decodes:  # one token each, from LAST_SAMPLED
+        k += 1
+        if error is not None or req.end_reason is not None or req.wants_extras:
+            num_generated += _apply_entry(core, req, 1, True, k, res, error, out)[0]
             continue
-        if error is not None:
-            core._emit(req, [], finish=FinishReason.ERROR)
-            out.append(RequestFailed(req.request_id, "internal", error, 500))
-            core._n["failed"] += 1
-            core.finish_running(req, "aborted", out)
-            continue
-        if not sample:
-            num_prefill += num_new
-            core._cache_chunk(req, out)
-            if prompt_lps and req.row in prompt_lps:
-                core._emit(req, [], prompt_logprobs=prompt_lps[req.row])
-            continue
-        if not req.row_sampled:
-            num_prefill += num_new
-            req.row_sampled = True
+        req.num_computed += 1
+        req.num_inflight -= 1
+        req.inflight_samples -= 1
         token = tokens[k]
         all_ids = req.all_ids
         all_ids.append(token)
@@ -71,26 +57,14 @@ def apply_result(core: SchedulerCore, res: StepResult, out: list[Msg]) -> None:
         # A stop token (once min_new_tokens are out) wins over the length limits, so a
         # request whose last allowed token is eos reports "stop" with matched_stop.
         if token in req.stop_ids and num_output >= sp.min_new_tokens:
-            finish, matched = FinishReason.STOP, token
+            _finish(core, req, token, FinishReason.STOP, token, out)
         elif num_output >= sp.max_new_tokens or len(all_ids) >= max_context_len:
-            finish, matched = FinishReason.LENGTH, None
+            _finish(core, req, token, FinishReason.LENGTH, None, out)
         else:
-            finish = None
-        if finish is None and not req.wants_extras:
             outputs.append(
                 RequestOutput(req.request_id, [token], _NONE, _NONE, _NONE, None, None,
                               req.num_prompt, req.num_cached_reported)
             )  # fmt: skip
-            continue
-        lps = [res.logprobs[k]] if sp.return_logprob and k < len(res.logprobs) else None
-        top = [res.top_logprobs[k]] if ask_top and sp.top_logprobs_num > 0 else None
-        plp = prompt_lps.get(req.row) if prompt_lps else None
-        if finish is None:
-            core._emit(req, [token], lps, top, plp)
-        else:
-            core._emit(req, [token], lps, top, plp, finish=finish, matched=matched)
-            core._n["finished"] += 1
-            core.finish_running(req, "finished", out)
     n = core._n
     n["generated"] += num_generated
     n["prefill_tokens"] += num_prefill
@@ -99,3 +73,70 @@ def apply_result(core: SchedulerCore, res: StepResult, out: list[Msg]) -> None:
     core.new_token_ratio = max(
         cfg.min_new_token_ratio, core.new_token_ratio - cfg.new_token_ratio_decay
     )
+
+
+def _finish(core: SchedulerCore, req: Req, token: int, finish: str, matched, out) -> None:
+    core._emit(req, [token], finish=finish, matched=matched)
+    core._n["finished"] += 1
+    core.finish_running(req, "finished", out)
+
+
+def _apply_entry(
+    core: SchedulerCore,
+    req: Req,
+    num_new: int,
+    sample: bool,
+    k: int,
+    res: StepResult,
+    error: str | None,
+    out: list[Msg],
+) -> tuple[int, int]:
+    """One entry's result, every case; returns (tokens generated, prefill tokens)."""
+    req.num_computed += num_new
+    req.num_inflight -= 1
+    if sample:
+        req.inflight_samples -= 1
+    if req.end_reason is not None:  # ended meanwhile: no more output from it
+        if sample and error is None:
+            req.all_ids.append(res.token_ids[k])  # its KV may be computed (and cached) next
+        if req.num_inflight == 0:
+            core._end_running(req, req.end_reason, out)
+        return 0, 0
+    if error is not None:
+        core._emit(req, [], finish=FinishReason.ERROR)
+        out.append(RequestFailed(req.request_id, "internal", error, 500))
+        core._n["failed"] += 1
+        core.finish_running(req, "aborted", out)
+        return 0, 0
+    prompt_lps = res.prompt_logprobs
+    if not sample:
+        core._cache_chunk(req, out)
+        if prompt_lps and req.row in prompt_lps:
+            core._emit(req, [], prompt_logprobs=prompt_lps[req.row])
+        return 0, num_new
+    num_prefill = 0
+    if not req.row_sampled:
+        num_prefill = num_new
+        req.row_sampled = True
+    token = res.token_ids[k]
+    all_ids = req.all_ids
+    all_ids.append(token)
+    num_output = len(all_ids) - req.num_prompt
+    sp = req.sampling
+    if token in req.stop_ids and num_output >= sp.min_new_tokens:
+        finish, matched = FinishReason.STOP, token
+    elif num_output >= sp.max_new_tokens or len(all_ids) >= core.config.max_context_len:
+        finish, matched = FinishReason.LENGTH, None
+    else:
+        finish, matched = None, None
+    ask_top = len(res.top_logprobs) == len(res.rows)
+    lps = [res.logprobs[k]] if sp.return_logprob and k < len(res.logprobs) else None
+    top = [res.top_logprobs[k]] if ask_top and sp.top_logprobs_num > 0 else None
+    plp = prompt_lps.get(req.row) if prompt_lps else None
+    if finish is None:
+        core._emit(req, [token], lps, top, plp)
+    else:
+        core._emit(req, [token], lps, top, plp, finish=finish, matched=matched)
+        core._n["finished"] += 1
+        core.finish_running(req, "finished", out)
+    return 1, num_prefill

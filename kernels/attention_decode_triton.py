@@ -1,0 +1,283 @@
+"""Paged decode attention as Triton kernels, split-KV (flash-decoding) for long
+contexts: the GPU path of kernels/attention_decode.py.
+
+Theory of operation: stage 1 runs one program per (entry, KV head, split); it takes
+the entry's query heads that share that KV head (GQA group, padded to 16 rows for
+the tensor-core dot), walks its split of the entry's KV in blocks of BLOCK_N token
+slots gathered through the plan's padded slot index (any page size: a slot is read
+per token, each row one contiguous Hkv*D run), and keeps an online softmax. With one
+split it writes the output directly; otherwise it writes a float32 partial output
+and its log-sum-exp, and stage 2 (one program per entry and query head) merges the
+splits. The number of splits is chosen on the host from the plan's padded length (a
+shape, so no device sync) to give the GPU about two programs per multiprocessor.
+
+Invariants: the plan's kv_lens[b] >= 1 and kv_indices[b, :kv_lens[b]] are valid
+slots (the runner checks before the step); a split with no keys writes lse = -inf
+and adds nothing. Scores and the softmax are float32; P is rounded to V's dtype for
+the second dot (the usual flash-attention trade, inside the bf16 tolerance).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from shunter.kernels.attention_decode import DecodePlan
+
+MIN_KEYS_PER_SPLIT = 256
+# Triton 3.6's CPU interpreter computes bf16/fp16 dots wrongly (it reads the operands'
+# bits as integers); interpreted runs take the dots in float32 instead. Compiled
+# kernels keep the operands' dtype.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def fix_interpreter_loop_bounds() -> None:
+    """Under TRITON_INTERPRET=1, Triton 3.6 turns a loaded scalar used as a `range`
+    bound into an int with int(array of shape (1,)), which numpy >= 2.4 rejects. Take
+    the one element instead. No effect on compiled kernels."""
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_shunter_index_fixed", False):
+        return
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):  # type: ignore[no-untyped-def]
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+    interpreter._shunter_index_fixed = True
+
+
+if INTERPRETED:
+    fix_interpreter_loop_bounds()
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    idx_ptr,
+    lens_ptr,
+    out_ptr,
+    mid_o_ptr,
+    mid_lse_ptr,
+    q_b_stride,
+    q_h_stride,
+    out_b_stride,
+    out_h_stride,
+    cache_slot_stride,
+    cache_head_stride,
+    idx_b_stride,
+    num_splits,
+    scale,
+    head_dim,
+    group,
+    chunk,
+    window,
+    HAS_WINDOW: tl.constexpr,
+    DIRECT: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_len = tl.load(lens_ptr + b).to(tl.int32)
+    start = split * chunk
+    end = tl.minimum(start + chunk, kv_len)
+    if HAS_WINDOW:
+        start = tl.maximum(start, kv_len - window)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    gm = g < group
+    dm = d < head_dim
+    heads = kvh * group + g  # [G] query heads of this KV head
+    q = tl.load(
+        q_ptr + b * q_b_stride + heads[:, None] * q_h_stride + d[None, :],
+        mask=gm[:, None] & dm[None, :],
+        other=0.0,
+    ).to(k_ptr.dtype.element_ty)  # [G, D]
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    kv_base = kvh.to(tl.int64) * cache_head_stride
+    for n0 in range(start, end, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        nm = offs < end
+        slots = tl.load(idx_ptr + b * idx_b_stride + offs, mask=nm, other=0).to(tl.int64)
+        kv_off = slots[:, None] * cache_slot_stride + kv_base + d[None, :]  # [N, D]
+        k = tl.load(k_ptr + kv_off, mask=nm[:, None] & dm[None, :], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(nm[None, :], s * scale, float("-inf"))  # [G, N]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + kv_off, mask=nm[:, None] & dm[None, :], other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    om = gm[:, None] & dm[None, :]
+    if DIRECT:
+        tl.store(
+            out_ptr + b * out_b_stride + heads[:, None] * out_h_stride + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=om,
+        )
+    else:
+        row = (b * tl.num_programs(1) * group + heads) * num_splits + split  # [G] in [B*H*S]
+        tl.store(mid_o_ptr + row[:, None] * BLOCK_D + d[None, :], o, mask=om)
+        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(mid_lse_ptr + row, lse, mask=gm)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    mid_o_ptr,
+    mid_lse_ptr,
+    out_ptr,
+    out_b_stride,
+    out_h_stride,
+    num_heads,
+    num_splits,
+    head_dim,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    sm = sp < num_splits
+    row = (b * num_heads + h) * num_splits + sp  # [S]
+    lse = tl.load(mid_lse_ptr + row, mask=sm, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.where(sm, tl.exp(lse - m), 0.0)  # empty splits: exp(-inf) = 0
+    o = tl.load(mid_o_ptr + row[:, None] * BLOCK_D + d[None, :], mask=sm[:, None], other=0.0)
+    o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(
+        out_ptr + b * out_b_stride + h * out_h_stride + d,
+        o.to(out_ptr.dtype.element_ty),
+        mask=d < head_dim,
+    )
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: a few splits, so that the merge is exercised
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, num_sms: int) -> int:
+    """Splits per (entry, KV head): about two programs per multiprocessor, no split
+    shorter than MIN_KEYS_PER_SPLIT keys."""
+    want = triton.cdiv(2 * num_sms, max(batch * num_kv_heads, 1))
+    return max(1, min(want, triton.cdiv(max_len, MIN_KEYS_PER_SPLIT)))
+
+
+def attention_decode_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: DecodePlan,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """q: [B, H, D]; k_cache, v_cache: [num_slots, Hkv, D] -> [B, H, D].
+    `plan` from `plan_decode` (its kv_indices and kv_lens on q's device); its mask is
+    not read: padding is cut by kv_lens and the window by `sliding_window`."""
+    bsz, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    assert q.stride(-1) == 1, "attention_decode_triton needs a contiguous dim axis"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.stride() == v_cache.stride() and k_cache.shape[2] == head_dim
+    assert num_heads % num_kv_heads == 0
+    idx = plan.kv_indices
+    assert idx.shape[0] == bsz and idx.stride(-1) == 1 and idx.device == q.device
+    out = torch.empty_like(q)
+    if bsz == 0:
+        return out
+    group = num_heads // num_kv_heads
+    max_len = idx.shape[1]
+    if num_splits is None:
+        num_splits = choose_num_splits(bsz, num_kv_heads, max_len, _num_sms(q.device))
+    block_n = 64
+    chunk = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max_len, chunk)  # no split starts past the padded length
+    block_d = max(triton.next_power_of_2(head_dim), 16)
+    direct = num_splits == 1
+    if direct:
+        mid_o = mid_lse = out  # unused
+    else:
+        mid_o = torch.empty(
+            (bsz * num_heads * num_splits, block_d), dtype=torch.float32, device=q.device
+        )
+        mid_lse = torch.empty((bsz * num_heads * num_splits,), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(bsz, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        idx,
+        plan.kv_lens,
+        out,
+        mid_o,
+        mid_lse,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        idx.stride(0),
+        num_splits,
+        scale,
+        head_dim,
+        group,
+        chunk,
+        sliding_window or 0,
+        HAS_WINDOW=sliding_window is not None,
+        DIRECT=direct,
+        IEEE=k_cache.dtype == torch.float32 or INTERPRETED,
+        UPCAST=INTERPRETED,
+        BLOCK_G=max(triton.next_power_of_2(group), 16),
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        num_warps=4,
+    )
+    if not direct:
+        _decode_merge_kernel[(bsz, num_heads)](
+            mid_o,
+            mid_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_heads,
+            num_splits,
+            head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d,
+        )
+    return out

@@ -1,0 +1,202 @@
+"""Paged extend (prefill) attention as one Triton kernel: the GPU path of
+kernels/attention_extend.py.
+
+Theory of operation: one program per (block of BLOCK_M new tokens, entry, query
+head). The block's queries are at positions prefix + i; the program walks the
+entry's keys 0 .. min(seq_len, prefix + end of block) - 1 (keys past the block's last
+query are never read), gathering each block of BLOCK_N keys through the entry's row
+of a padded slot table, masks k_pos > q_pos (and keys outside the sliding window),
+and keeps an online softmax in float32. The new tokens' K/V were stored in the pool
+before the call, so the cached prefix and the new tokens are read the same way.
+
+Invariants: rows of q are the entries' new tokens concatenated in entry order;
+num_new[e] >= 1 and seq_len[e] >= num_new[e] (`plan_extend` checks); each query sees
+at least its own key, so every output row has a positive softmax denominator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from shunter.kernels.attention_decode_triton import INTERPRETED, fix_interpreter_loop_bounds
+from shunter.kernels.attention_extend import ExtendPlan
+
+if INTERPRETED:
+    fix_interpreter_loop_bounds()
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    table_ptr,
+    q_start_ptr,
+    num_new_ptr,
+    seq_len_ptr,
+    q_tok_stride,
+    q_head_stride,
+    out_tok_stride,
+    out_head_stride,
+    cache_slot_stride,
+    cache_head_stride,
+    table_stride,
+    scale,
+    head_dim,
+    group,
+    window,
+    HAS_WINDOW: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    mblk = tl.program_id(0)
+    e = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2)
+    num_new = tl.load(num_new_ptr + e)
+    seq_len = tl.load(seq_len_ptr + e)
+    q_start = tl.load(q_start_ptr + e).to(tl.int64)
+    prefix = seq_len - num_new
+    m_offs = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    mm = m_offs < num_new
+    d = tl.arange(0, BLOCK_D)
+    dm = d < head_dim
+    rows = q_start + m_offs
+    q = tl.load(
+        q_ptr + rows[:, None] * q_tok_stride + h * q_head_stride + d[None, :],
+        mask=mm[:, None] & dm[None, :],
+        other=0.0,
+    ).to(k_ptr.dtype.element_ty)  # [M, D]
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = prefix + m_offs  # [M]
+    # a block past the entry's new tokens reads nothing (end <= start)
+    kv_end = tl.minimum(seq_len, prefix + mblk * BLOCK_M + BLOCK_M)
+    kv_end = tl.where(mblk * BLOCK_M < num_new, kv_end, 0)
+    kv_start = 0
+    if HAS_WINDOW:
+        kv_start = tl.maximum(prefix + mblk * BLOCK_M - window + 1, 0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    kv_base = (h // group).to(tl.int64) * cache_head_stride
+    for n0 in range(kv_start, kv_end, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        nm = offs < kv_end
+        slots = tl.load(table_ptr + e * table_stride + offs, mask=nm, other=0).to(tl.int64)
+        kv_off = slots[:, None] * cache_slot_stride + kv_base + d[None, :]  # [N, D]
+        k = tl.load(k_ptr + kv_off, mask=nm[:, None] & dm[None, :], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        allowed = nm[None, :] & (offs[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            allowed = allowed & (offs[None, :] > q_pos[:, None] - window)
+        s = tl.where(allowed, s * scale, float("-inf"))  # [M, N]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + kv_off, mask=nm[:, None] & dm[None, :], other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + rows[:, None] * out_tok_stride + h * out_head_stride + d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=mm[:, None] & dm[None, :],
+    )
+
+
+@dataclass(frozen=True)
+class ExtendMeta:
+    """The ExtendPlan as device tensors, built once per step and shared by every layer."""
+
+    table: torch.Tensor  # [E, max_seq_len] int64 slots, padded with 0
+    q_starts: torch.Tensor  # [E] int32
+    num_new: torch.Tensor  # [E] int32
+    seq_lens: torch.Tensor  # [E] int32
+    max_num_new: int
+
+
+def extend_meta(plan: ExtendPlan, device: torch.device) -> ExtendMeta:
+    table = torch.nn.utils.rnn.pad_sequence(
+        [t.to(device) for t in plan.slot_tables], batch_first=True, padding_value=0
+    )
+    host = torch.tensor([plan.q_starts, plan.num_new_tokens, plan.seq_lens], dtype=torch.int32)
+    dev = host.to(device)
+    return ExtendMeta(table.contiguous(), dev[0], dev[1], dev[2], max(plan.num_new_tokens))
+
+
+def attention_extend_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: ExtendPlan | ExtendMeta,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D] (this step's new tokens, already in the pool, so
+    not read here); k_cache, v_cache: [num_slots, Hkv, D] -> [T, H, D]."""
+    del k, v  # read back from the pool, where kv_store put them
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    assert q.stride(-1) == 1, "attention_extend_triton needs a contiguous dim axis"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.stride() == v_cache.stride() and k_cache.shape[2] == head_dim
+    assert num_heads % num_kv_heads == 0
+    meta = plan if isinstance(plan, ExtendMeta) else extend_meta(plan, q.device)
+    out = torch.empty_like(q)
+    num_entries = meta.table.shape[0]
+    if num_tokens == 0 or num_entries == 0:
+        return out
+    block_m, block_n = 64, 64
+    grid = (triton.cdiv(meta.max_num_new, block_m), num_entries, num_heads)
+    _extend_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        meta.table,
+        meta.q_starts,
+        meta.num_new,
+        meta.seq_lens,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        meta.table.stride(0),
+        scale,
+        head_dim,
+        num_heads // num_kv_heads,
+        sliding_window or 0,
+        HAS_WINDOW=sliding_window is not None,
+        IEEE=k_cache.dtype == torch.float32 or INTERPRETED,
+        UPCAST=INTERPRETED,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
+        num_warps=4,
+    )
+    return out

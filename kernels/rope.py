@@ -16,10 +16,18 @@ import math
 import torch
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: object | None = None) -> torch.Tensor:
-    """[head_dim // 2] float32 inverse frequencies. `scaling` is a RopeScaling (or None)."""
+def rope_inv_freq(
+    head_dim: int,
+    theta: float,
+    scaling: object | None = None,
+    freq_factors: list[float] | None = None,
+) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies. `scaling` is a RopeScaling (or None);
+    `freq_factors` (llama.cpp's rope_freqs tensor) divide the frequencies one by one."""
     idx = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32)
     inv_freq = 1.0 / (theta ** (idx / head_dim))
+    if freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
     if scaling is None:
         return inv_freq
     kind = scaling.rope_type
@@ -40,10 +48,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: object | None = None) ->
 
 
 def rope_cos_sin_cache(
-    head_dim: int, max_pos: int, theta: float, scaling: object | None = None
+    head_dim: int,
+    max_pos: int,
+    theta: float,
+    scaling: object | None = None,
+    freq_factors: list[float] | None = None,
 ) -> torch.Tensor:
     """[max_pos, head_dim] float32: cos of the angles in [:, :D/2], sin in [:, D/2:]."""
-    inv_freq = rope_inv_freq(head_dim, theta, scaling)
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, freq_factors)
     pos = torch.arange(max_pos, dtype=torch.int64).to(torch.float32)
     freqs = pos[:, None] * inv_freq[None, :]  # [max_pos, D/2]
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)

@@ -180,11 +180,9 @@ def config_from_reader(reader: Any, overrides: dict | None = None) -> ModelConfi
     meta = read_metadata(reader)
     names = {t.name for t in reader.tensors}
     fields: dict[str, Any] = {"tie_word_embeddings": "output.weight" not in names}
-    if "rope_freqs.weight" in names:
-        raise ValueError(
-            "this GGUF carries rope_freqs (Llama 3.1 rope scaling in tensor form), "
-            "which is not supported; load the HF directory instead"
-        )
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":  # Llama 3.1 scaling, stored as frequency divisors
+            fields["rope_freq_factors"] = dequantize(t).reshape(-1).tolist()
     fields.update(overrides or {})
     return from_gguf_metadata(meta, overrides=fields)
 

@@ -66,6 +66,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    rope_freq_factors: list[float] | None = None  # per-frequency divisors (GGUF rope_freqs)
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # biases on q/k/v projections (Qwen2; attention_bias)
@@ -94,6 +95,10 @@ class ModelConfig(msgspec.Struct, frozen=True):
             raise ValueError(f"unsupported activation {self.hidden_act!r} (only silu)")
         if self.rms_norm_eps <= 0:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if self.rope_freq_factors is not None and (
+            len(self.rope_freq_factors) != self.head_dim // 2 or min(self.rope_freq_factors) <= 0
+        ):
+            raise ValueError(f"rope_freq_factors must be {self.head_dim // 2} positive numbers")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be > 0, got {self.sliding_window}")
 

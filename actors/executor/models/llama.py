@@ -169,9 +169,9 @@ class LlamaForCausalLM(nn.Module):
             if self._cos_sin is not None:
                 size = max(size, 2 * self._cos_sin.shape[0])
             dev = self.model.embed_tokens.weight.device
-            self._cos_sin = rope_cos_sin_cache(c.head_dim, size, c.rope_theta, c.rope_scaling).to(
-                dev
-            )
+            self._cos_sin = rope_cos_sin_cache(
+                c.head_dim, size, c.rope_theta, c.rope_scaling, c.rope_freq_factors
+            ).to(dev)
         return self._cos_sin
 
     def forward(

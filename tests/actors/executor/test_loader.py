@@ -52,6 +52,28 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
+def _llama_cpp_rope_factors(cfg):
+    """convert_hf_to_gguf's rope_freqs for llama3 scaling, written out independently."""
+    import math
+
+    rp = cfg["rope_parameters"]
+    dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = 1.0 / (rp["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    old, lo, hi, factor = (rp["original_max_position_embeddings"], rp["low_freq_factor"],
+                           rp["high_freq_factor"], rp["factor"])  # fmt: skip
+    out = []
+    for f in freqs.tolist():
+        wavelen = 2 * math.pi / f
+        if wavelen < old / hi:
+            out.append(1.0)
+        elif wavelen > old / lo:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def _write_gguf(hf_dir, path, qtype_name="F32"):
     import gguf
     from safetensors.torch import load_file
@@ -77,6 +99,8 @@ def _write_gguf(hf_dir, path, qtype_name="F32"):
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
              "mlp.down_proj": "ffn_down"}  # fmt: skip
     qtype = gguf.GGMLQuantizationType[qtype_name]
+    if cfg["rope_parameters"].get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", _llama_cpp_rope_factors(cfg))
     for name, t in sd.items():
         arr = t.float().numpy()
         if name in names:
@@ -110,6 +134,17 @@ def test_gguf_unpermutes_qk_and_matches_hf(tiny_model_dir, tmp_path, qtype, atol
     assert (config.family, config.num_kv_heads, config.tie_word_embeddings) == ("llama", 2, False)
     torch.testing.assert_close(
         _our_logits(model, config, IDS), _hf_logits(d, IDS), atol=atol, rtol=0
+    )
+
+
+def test_gguf_llama31_rope_freqs_and_tied_embeddings(tiny_model_dir, tmp_path):
+    d = tiny_model_dir("llama3_tied_sharded")
+    model, config = load_model(str(_write_gguf(d, tmp_path / "l31.gguf")), progress=False)
+    assert config.tie_word_embeddings and config.rope_freq_factors is not None
+    assert config.rope_freq_factors[-1] == 8.0 and min(config.rope_freq_factors) < 8.0
+    ids = [*IDS, *IDS, *IDS]  # positions past original_max_position_embeddings (16)
+    torch.testing.assert_close(
+        _our_logits(model, config, ids), _hf_logits(d, ids), atol=1e-4, rtol=0
     )
 
 

@@ -11,11 +11,12 @@ tokens, start position, input ids, pages appended, whether to sample). So the
 mirror is a pure function of the batches received, and a recorded log replays it.
 
 `handle(batch)` does, in order:
-1. plan (core_plan.py): check the whole batch against the mirror WITHOUT changing it (unknown row,
-   start_pos != KV length, page overflow, page or token id out of range,
-   LAST_SAMPLED without a pending sample, bad sampling parameters, ...). A malformed
-   batch answers `StepResult(error=...)`; only its closes apply (closing is
-   idempotent: closing an unknown row is counted, not an error).
+1. plan (core_plan.py): check the whole batch against the mirror WITHOUT changing it
+   (unknown row, start_pos != KV length, page overflow, page or token id out of
+   range, LAST_SAMPLED without a pending sample, bad sampling parameters, ...). A
+   malformed batch, or a forward that raises, answers `StepResult(error=...)`; only
+   its closes apply (closing is idempotent: closing an unknown row is counted, not an
+   error). A batch with no entries (row diffs only) runs no forward.
 2. stage: write the new pages' slots into the row tables (positions past each row's
    KV length, which nothing reads yet) and build the runner's ForwardInput.
 3. forward: logits for the last token of every sampling entry (and for every token of
@@ -148,8 +149,6 @@ class ExecutorCore:
         )
         self._last_error = f"step {batch.step_id}: {kind}: {e}"
         return StepResult(step_id=batch.step_id, rows=[], token_ids=[], error=self._last_error)
-
-    # ---- 1. plan --------------------------------------------------------------------
 
     # ---- 2. stage -------------------------------------------------------------------
 

@@ -82,7 +82,11 @@ def _write_gguf(hf_dir, path, qtype_name="F32"):
     sd = {}
     for f in sorted(hf_dir.glob("*.safetensors")):
         sd.update(load_file(f))
-    w = gguf.GGUFWriter(str(path), "llama")
+    arch = cfg["model_type"] if cfg["model_type"] in ("qwen2", "qwen3") else "llama"
+    w = gguf.GGUFWriter(str(path), arch)
+    if "head_dim" in cfg:
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -97,7 +101,8 @@ def _write_gguf(hf_dir, path, qtype_name="F32"):
     block = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}  # fmt: skip
+             "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm",
+             "self_attn.k_norm": "attn_k_norm"}  # fmt: skip
     qtype = gguf.GGMLQuantizationType[qtype_name]
     if cfg["rope_parameters"].get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _llama_cpp_rope_factors(cfg))
@@ -109,7 +114,9 @@ def _write_gguf(hf_dir, path, qtype_name="F32"):
             _, _, i, rest = name.split(".", 3)
             mod, kind = rest.rsplit(".", 1)
             gname = f"blk.{i}.{block[mod]}.{kind}"
-            if mod == "self_attn.q_proj":
+            if arch != "llama" or kind != "weight":
+                pass  # llama.cpp permutes only llama's q/k weights
+            elif mod == "self_attn.q_proj":
                 arr = _permute(arr, cfg["num_attention_heads"])
             elif mod == "self_attn.k_proj":
                 arr = _permute(arr, cfg["num_key_value_heads"])
@@ -134,6 +141,16 @@ def test_gguf_unpermutes_qk_and_matches_hf(tiny_model_dir, tmp_path, qtype, atol
     assert (config.family, config.num_kv_heads, config.tie_word_embeddings) == ("llama", 2, False)
     torch.testing.assert_close(
         _our_logits(model, config, IDS), _hf_logits(d, IDS), atol=atol, rtol=0
+    )
+
+
+@pytest.mark.parametrize("qwen", ["qwen2_bias_tied", "qwen3_qknorm"])
+def test_gguf_qwen_families_match_hf(qwen, tiny_model_dir, tmp_path):
+    d = tiny_model_dir(qwen)
+    model, config = load_model(str(_write_gguf(d, tmp_path / f"{qwen}.gguf")), progress=False)
+    assert config.family == qwen[:5]
+    torch.testing.assert_close(
+        _our_logits(model, config, IDS), _hf_logits(d, IDS), atol=1e-4, rtol=0
     )
 
 

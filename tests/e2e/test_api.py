@@ -37,9 +37,14 @@ def post(server, path, body, timeout_s=300.0):
         return e.code, e.read()
 
 
-def test_greedy_generate_equals_the_reference_ids(server, reference):
-    """Every reference prompt in one batched /generate (they decode side by side)."""
-    prompts = reference["prompts"]
+@pytest.mark.parametrize(
+    "names", [("tips", "raw_fox"), pytest.param(None, marks=pytest.mark.heavy, id="all")]
+)
+def test_greedy_generate_equals_the_reference_ids(server, reference, names):
+    """Reference prompts in one batched /generate (they decode side by side): a chat
+    templated and a raw one in the default tier, every one in the heavy tier."""
+    prompts = [p for p in reference["prompts"] if names is None or p["name"] in names]
+    assert len(prompts) == (len(names) if names else len(reference["prompts"]))
     status, body = post(server, "/generate", {
         "input_ids": [p["input_ids"] for p in prompts],
         "sampling_params": {"temperature": 0, "max_new_tokens": 32},

@@ -60,13 +60,47 @@ def run(args: argparse.Namespace) -> int:
     try:
         server_args = namespace_to_server_args(args)
         check_paths(server_args)
+        check_device(server_args)
     except ValueError as e:
         print(f"shunter serve: {e}", file=sys.stderr)
         return 2
     from shunter.ops import logging as shunter_logging
 
     shunter_logging.configure(server_args.log_level, server_args.log_format)
+    for note in no_effect_notes(server_args):
+        log.warning("option has no effect in this build", note=note)
     return anyio.run(serve, server_args, backend="asyncio")
+
+
+def check_device(a: ServerArgs) -> None:
+    """--device cuda needs a CUDA device; CUDA-only kernels need CUDA (imports torch only
+    when one of those was asked for). Raises ValueError."""
+    wants_cuda = a.device == "cuda" or a.attention_backend in ("triton", "flashinfer")
+    if not wants_cuda:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        flag = (
+            "--device cuda" if a.device == "cuda" else f"--attention-backend {a.attention_backend}"
+        )
+        raise ValueError(f"{flag}: no CUDA device is available (torch {torch.__version__})")
+    if a.device == "cpu":
+        raise ValueError(f"--attention-backend {a.attention_backend}: needs a CUDA device, "
+                         "not --device cpu")  # fmt: skip
+
+
+def no_effect_notes(a: ServerArgs) -> list[str]:
+    """Options accepted for SGLang compatibility that this build does not act on: each is
+    said out loud at start rather than silently ignored."""
+    notes = []
+    if a.attention_backend != "auto":
+        notes.append(f"--attention-backend {a.attention_backend}: the executor picks its "
+                     "kernels itself (no executor setting yet)")  # fmt: skip
+    if a.cuda_graph_max_bs is not None or a.disable_cuda_graph:
+        notes.append("--cuda-graph-max-bs / --disable-cuda-graph: decode runs without CUDA "
+                     "graphs in this build")  # fmt: skip
+    return notes
 
 
 # ---- the plan ------------------------------------------------------------------------
@@ -126,6 +160,8 @@ def build_config(spec: ActorSpec, a: ServerArgs, ready: Mapping[str, Ready], see
             return TokenizerConfig(
                 actor_id=spec.actor_id, model_path=a.model_path, tokenizer_path=a.tokenizer_path,
                 chat_template=a.chat_template, context_len=a.context_length,
+                stream_interval=a.stream_interval,
+                non_stream_interval=max(a.stream_interval, 32),
             )  # fmt: skip
         case "cache":
             from shunter.actors.cache_manager.config import CacheConfig

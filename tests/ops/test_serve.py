@@ -83,6 +83,7 @@ def test_configs_follow_the_server_args_and_the_executor_ready():
         "--disable-radix-cache", "--schedule-policy", "lpm", "--max-prefill-num-token", "777",
         "--max-running-requests", "12", "--api-key", "sekret", "--port", "31234",
         "--served-model-name", "smol", "--enable-metrics", "--chunked-prefill-size", "128",
+        "--stream-interval", "4", "--disable-overlap-schedule",
     ])  # fmt: skip
     specs = {s.kind: s for s in actor_specs(a)}
     ex = build_config(specs["executor"], a, {}, seed=5)
@@ -93,7 +94,7 @@ def test_configs_follow_the_server_args_and_the_executor_ready():
         EXECUTOR_ID,
     )
     tok = build_config(specs["tokenizer"], a, {}, seed=5)
-    assert tok.model_path is None and tok.actor_id == "tokenizer"
+    assert tok.model_path is None and tok.actor_id == "tokenizer" and tok.stream_interval == 4
     cache = build_config(specs["cache"], a, EXECUTOR_READY, seed=5)
     assert (cache.num_pages, cache.page_size, cache.disable_radix_cache) == (4096, 1, True)
     sched = build_config(specs["scheduler"], a, EXECUTOR_READY, seed=5)
@@ -104,6 +105,7 @@ def test_configs_follow_the_server_args_and_the_executor_ready():
     )
     assert (sched.max_context_len, sched.eos_token_ids, sched.seed) == (2048, (2, 7), 5)
     assert (sched.chunked_prefill_size, sched.num_total_pages) == (128, 4096)
+    assert sched.max_batches_in_flight == 1  # --disable-overlap-schedule
     gw = build_config(specs["gateway"], a, EXECUTOR_READY, seed=5)
     assert (gw.port, gw.api_key, gw.served_model_name, gw.enable_metrics) == (
         31234,
@@ -167,3 +169,19 @@ async def test_the_real_gateway_on_a_taken_port_fails_start_up_with_the_reason()
     assert code == 1
     assert sup.exit.reason.startswith("start-up failed: gateway stopped: raised OSError:")
     assert "address already in use" in sup.exit.reason.lower()
+
+
+def test_device_checks_and_no_effect_notes(capsys):
+    import torch
+
+    from shunter.ops.serve import check_device, no_effect_notes
+
+    check_device(ServerArgs())  # cpu/auto: nothing to check
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--device cuda: no CUDA device is available"):
+            check_device(ServerArgs(device="cuda"))
+        code, err = _run_in_process(capsys, "--attention-backend", "triton")
+        assert code == 2 and "--attention-backend triton: no CUDA device is available" in err
+    assert no_effect_notes(ServerArgs()) == []
+    notes = no_effect_notes(ServerArgs(attention_backend="torch", disable_cuda_graph=True))
+    assert len(notes) == 2 and notes[0].startswith("--attention-backend torch")

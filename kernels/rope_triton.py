@@ -106,7 +106,16 @@ def apply_rope_triton(
         k.shape[1],
         half,
         BLOCK_HQ=triton.next_power_of_2(num_q_heads),
-        BLOCK_HK=triton.next_power_of_2(k.shape[1]),
+        BLOCK_HK=max(triton.next_power_of_2(k.shape[1]), 1),
         BLOCK_D=triton.next_power_of_2(half),
     )
     return q, k
+
+
+def rope_rotate_triton(
+    x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> torch.Tensor:
+    """Rotate every head of x [T, H, D] IN PLACE (e.g. the q and k heads of the fused
+    projection seen as one [T, H + Hkv, D] view); returns x."""
+    apply_rope_triton(x, x[:, :0], positions, cos_sin_cache)
+    return x

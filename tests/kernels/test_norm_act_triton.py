@@ -22,7 +22,7 @@ from shunter.kernels.kv_store_triton import kv_store_triton
 from shunter.kernels.rmsnorm import fused_add_rmsnorm_ref, rmsnorm_ref
 from shunter.kernels.rmsnorm_triton import fused_add_rmsnorm_triton, rmsnorm_triton
 from shunter.kernels.rope import apply_rope_ref, rope_cos_sin_cache
-from shunter.kernels.rope_triton import apply_rope_triton
+from shunter.kernels.rope_triton import apply_rope_triton, rope_rotate_triton
 from shunter.kernels.silu_mul import silu_mul_ref
 from shunter.kernels.silu_mul_triton import silu_mul_triton
 
@@ -107,6 +107,17 @@ def test_rope_in_place_on_fused_qkv_views(dtype, num_heads, num_kv, head_dim):
     torch.testing.assert_close(q, want_q, rtol=tol, atol=tol)
     torch.testing.assert_close(k, want_k, rtol=tol, atol=tol)
     assert torch.equal(v, v_before)  # the v part of the projection is untouched
+
+
+def test_rope_rotate_of_the_joint_qk_view_equals_separate_q_and_k():
+    qkv, q, k, _ = _qkv(9, 6, 2, 32, torch.float32, seed=16)
+    cs = rope_cos_sin_cache(32, 64, 10000.0).to(DEVICE)
+    pos = torch.arange(9, device=DEVICE) * 7
+    want_q, want_k = apply_rope_ref(q, k, pos, cs)
+    qk = qkv[:, : 8 * 32].view(9, 8, 32)  # the model's one pass over q and k heads
+    assert rope_rotate_triton(qk, pos, cs).data_ptr() == qkv.data_ptr()
+    torch.testing.assert_close(q, want_q, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(k, want_k, rtol=2e-6, atol=2e-6)
 
 
 def test_rope_rejects_odd_head_dim():

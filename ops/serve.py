@@ -153,6 +153,7 @@ def build_config(spec: ActorSpec, a: ServerArgs, ready: Mapping[str, Ready], see
                 load_format=a.load_format, page_size=a.page_size,
                 max_total_tokens=a.max_total_tokens, mem_fraction_static=a.mem_fraction_static,
                 context_length=a.context_length, seed=seed % 2**32,
+                max_num_rows=max(4096, a.max_running_requests or 0),
             )  # fmt: skip
         case "tokenizer":
             from shunter.actors.tokenizer.config import TokenizerConfig

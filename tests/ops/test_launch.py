@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,6 +58,7 @@ async def _deployment(specs, entries, *, watchdog_s=10.0, shutdown_s=2.0, config
         finally:
             await sup_bus.aclose()
             await client.aclose()
+            shutil.rmtree(runtime, ignore_errors=True)
 
 
 async def _ask(client, rid, text, timeout_s=10.0):

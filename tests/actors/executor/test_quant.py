@@ -12,8 +12,9 @@ import torch.nn.functional as F
 
 from shunter.actors.executor.kv_pool import KVPool
 from shunter.actors.executor.loader import LoadError, load_model
+from shunter.actors.executor.models import quant
 from shunter.actors.executor.models.quant import PackedLinear, convert_linears, int8_supported
-from shunter.actors.executor.runner import ModelRunner
+from shunter.actors.executor.runner import ForwardInput, ModelRunner
 
 pytestmark = pytest.mark.skipif(not int8_supported(), reason="no int8 weight kernel in this torch")
 
@@ -50,19 +51,27 @@ def test_load_model_rejects_unknown_format(tiny_model_dir):
         load_model(str(tiny_model_dir("llama")), weight_format="fp4", progress=False)
 
 
-@pytest.mark.parametrize(("fmt", "max_margin"), [("int8", 0.3), ("bf16", 0.1)])
-def test_default_model_drifts_only_at_small_margins(
-    fmt, max_margin, reference, greedy, default_model
+@pytest.mark.parametrize(("fmt", "min_margin"), [("int8", 0.4), ("bf16", 0.2)])
+def test_default_model_agrees_where_the_reference_is_clear(
+    fmt, min_margin, reference, default_model, monkeypatch
 ):
+    """Teacher-forced over the reference outputs (so one early flip cannot cascade): at
+    every step whose float32 top-1/top-2 margin exceeds min_margin the packed model
+    picks the reference token. Low-margin steps may flip, as bf16 and llama.cpp do."""
+    monkeypatch.setattr(quant, "INT8_MAX_ROWS", 1 << 30)  # the int8 kernel for every row
     model, config = copy.deepcopy(default_model[0]), default_model[1]
     convert_linears(model, fmt)
     assert all(not isinstance(m, torch.nn.Linear) for m in model.modules())
-    runner = ModelRunner(model, KVPool(config, 128, page_size=16))
-    p = next(p for p in reference["prompts"] if p["name"] == "hashtable")
-    got = greedy(runner, [p["input_ids"]], len(p["output_ids"])).tokens[0]
-    want, margins = p["output_ids"], p["step_top1_top2_margin"]
-    diverged = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
-    if diverged:
-        assert margins[diverged[0]] < max_margin, (fmt, diverged[0], margins[diverged[0]])
-    else:
-        assert got == want
+    runner = ModelRunner(model, KVPool(config, 512))
+    checked = 0
+    for p in reference["prompts"]:
+        ids = p["input_ids"] + p["output_ids"][:-1]
+        inp = ForwardInput.build([ids], [0], [torch.arange(len(ids))], logits="all")
+        picks = runner.forward(inp)[len(p["input_ids"]) - 1 :].argmax(-1).tolist()
+        for step, (got, want, margin) in enumerate(
+            zip(picks, p["output_ids"], p["step_top1_top2_margin"])
+        ):
+            if margin > min_margin:
+                assert got == want, (fmt, p["name"], step, margin)
+                checked += 1
+    assert checked > 100

@@ -12,6 +12,9 @@ Theory of operation
     --multi-process). Either way, the supervisor awaits the handle's end and reports it
     to the core as Exited.
 
+    The loop itself is watched too: `LoopWatchdog` (a thread) ends the process when the
+    event loop stalls past the watchdog timeout, since then nothing in it can answer.
+
     Heartbeats: `run_with_heartbeats()` runs an actor's main coroutine beside a task
     that publishes Heartbeat on the actor's own bus every interval. A beat proves the
     actor's event loop turns; an actor whose loop is stuck (or whose process is frozen)
@@ -29,7 +32,10 @@ Invariants
 from __future__ import annotations
 
 import abc
+import faulthandler
+import os
 import signal
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
 
@@ -144,6 +150,45 @@ class EmbeddedActor(ActorHandle):
         self._scope.cancel()
         with anyio.move_on_after(max(grace_s, 0.1)):
             await self._done.wait()
+
+
+class LoopWatchdog:
+    """Ends the process when its event loop stops turning for longer than timeout_s.
+
+    In the embedded deployment one blocked loop blocks every actor and the HTTP server
+    with it, so nothing inside could report the hang, and clients would wait forever.
+    A thread outside the loop notices instead: it dumps every thread's stack (where the
+    loop is stuck) and exits the process with STALL_EXIT_CODE, for the process manager
+    to restart it. `run()` is the loop's side: it stamps the time every interval_s."""
+
+    STALL_EXIT_CODE = 3
+
+    def __init__(self, timeout_s: float, *, interval_s: float = 1.0) -> None:
+        if not 0 < interval_s < timeout_s:
+            raise ValueError("LoopWatchdog: need 0 < interval_s < timeout_s")
+        self.timeout_s = timeout_s
+        self.interval_s = interval_s
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+
+    async def run(self) -> None:
+        thread = threading.Thread(target=self._watch, name="loop-watchdog", daemon=True)
+        thread.start()
+        try:
+            while True:
+                self._last = time.monotonic()
+                await anyio.sleep(self.interval_s)
+        finally:
+            self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            stalled_s = time.monotonic() - self._last
+            if stalled_s > self.timeout_s:
+                log.critical("event loop stalled; exiting", stalled_s=round(stalled_s, 1),
+                             timeout_s=self.timeout_s)  # fmt: skip
+                faulthandler.dump_traceback(all_threads=True)
+                os._exit(self.STALL_EXIT_CODE)
 
 
 Launcher = Callable[[ActorSpec, Mapping[str, Ready]], Awaitable[ActorHandle]]

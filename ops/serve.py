@@ -10,7 +10,9 @@ Theory of operation
     manager and the scheduler, whose configs need the pool size, context length and eos
     ids the executor reported in its Ready; stage 2 the gateway, which opens the port
     only once everything else is Ready. The supervisor (actors/supervisor.py) enforces
-    that order, the start timeout, heartbeats and the SIGTERM drain.
+    that order, the start timeout, heartbeats and the SIGTERM drain; a LoopWatchdog
+    thread ends this process (exit 3, stacks dumped) if its own event loop stalls past
+    --watchdog-timeout, since a blocked loop could not even answer /health.
 
     Deployments:
     - embedded (default): every actor is a task of this process's event loop, on the
@@ -37,7 +39,12 @@ from typing import Any
 import anyio
 import structlog
 
-from shunter.actors.supervisor import EmbeddedActor, Supervisor, run_with_heartbeats
+from shunter.actors.supervisor import (
+    EmbeddedActor,
+    LoopWatchdog,
+    Supervisor,
+    run_with_heartbeats,
+)
 from shunter.actors.supervisor_core import ActorSpec, SupervisorConfig
 from shunter.bus.messages import Ready
 from shunter.ops.server_args import (
@@ -301,6 +308,8 @@ async def _supervise(a: ServerArgs, connect, launch, handle_signals: bool, healt
     sup_bus = connect("supervisor")
     try:
         async with anyio.create_task_group() as tg:
+            watchdog = LoopWatchdog(a.watchdog_timeout, interval_s=min(1.0, a.watchdog_timeout / 4))
+            tg.start_soon(watchdog.run)
             if a.record_events is not None:
                 from shunter.bus.log import record
 

@@ -8,7 +8,12 @@ import contextlib
 import anyio
 import pytest
 
-from shunter.actors.supervisor import EmbeddedActor, Supervisor, run_with_heartbeats
+from shunter.actors.supervisor import (
+    EmbeddedActor,
+    LoopWatchdog,
+    Supervisor,
+    run_with_heartbeats,
+)
 from shunter.actors.supervisor_core import (
     ActorSpec,
     SupervisorConfig,
@@ -236,3 +241,33 @@ async def test_shell_start_timeout_exits_1():
 @pytest.fixture
 def anyio_backend():
     return "asyncio"
+
+
+STALL_SCRIPT = """
+import time, anyio
+from shunter.actors.supervisor import LoopWatchdog
+
+async def main():
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(LoopWatchdog(0.6, interval_s=0.1).run)
+        await anyio.sleep(0.5)  # turning: no stall
+        time.sleep(30)  # a synchronous call blocks the loop
+
+anyio.run(main)
+"""
+
+
+def test_loop_watchdog_ends_a_process_whose_loop_is_blocked():
+    import subprocess
+    import sys
+    import time
+
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", STALL_SCRIPT], capture_output=True, text=True,
+                       timeout=60)  # fmt: skip
+    assert r.returncode == LoopWatchdog.STALL_EXIT_CODE, r.stderr
+    assert time.monotonic() - t0 < 20  # not the 30 s the loop was blocked for
+    assert "event loop stalled" in r.stdout + r.stderr
+    assert "in main" in r.stderr  # the dump shows where the loop is stuck
+    with pytest.raises(ValueError):
+        LoopWatchdog(1.0, interval_s=2.0)

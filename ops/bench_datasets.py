@@ -137,6 +137,20 @@ def with_output_len(requests: list[BenchRequest], output_len: int) -> list[Bench
     return [msgspec.structs.replace(r, output_len=output_len) for r in requests]
 
 
+def warmup_request(first: BenchRequest, max_output_len: int = 16) -> BenchRequest:
+    """A warm-up request as long as `first` that shares no prefix with the dataset: its
+    prompt is `first`'s rotated by half. Warming up with a dataset prompt itself would
+    put that prompt (a whole shared-prefix group's system prompt) into the server's
+    prefix cache before the timed run."""
+    half = first.prompt_len // 2
+    text = first.prompt_text
+    return BenchRequest(
+        first.prompt_ids[half:] + first.prompt_ids[:half],
+        min(first.output_len, max_output_len),
+        None if text is None else text[len(text) // 2 :] + text[: len(text) // 2],
+    )
+
+
 def from_args(args, load_tokenizer: Callable) -> list[BenchRequest]:
     """The dataset `shunter bench serve`'s arguments describe, with text prompts where the
     backend needs them. The tokenizer (`load_tokenizer(model_path)`) is loaded only for

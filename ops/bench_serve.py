@@ -276,7 +276,7 @@ async def run_benchmark(
         connector=aiohttp.TCPConnector(limit=0), timeout=timeout
     ) as session:
         if num_warmup and requests:
-            warm = msgspec.structs.replace(requests[0], output_len=min(requests[0].output_len, 16))
+            warm = ds.warmup_request(requests[0])
             t = time.perf_counter()
             for w in await asyncio.gather(
                 *(send_one(session, cfg, warm, t) for _ in range(num_warmup))

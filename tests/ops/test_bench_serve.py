@@ -189,6 +189,8 @@ def test_dataset_arguments_are_checked():
         ds.with_output_len(_requests(2), 0)
     texts = ds.with_text(_requests(2), lambda ids: ",".join(map(str, ids)))
     assert texts[0].prompt_text == "2,3,4" and texts[0].prompt_ids == [2, 3, 4]
+    warm = ds.warmup_request(ds.BenchRequest([1, 2, 3, 4, 5], 40, prompt_text="abcdef"))
+    assert warm == ds.BenchRequest([3, 4, 5, 1, 2], 16, prompt_text="defabc")
 
 
 def test_arrival_offsets_are_poisson_and_seeded():
@@ -248,12 +250,13 @@ def test_ttft_itl_e2e_match_the_scripted_delays(backend):
     with ScriptedServer() as server:
         run = _bench(server, reqs, backend=backend)
     assert all(r.success for r in run.results), [r.error for r in run.results]
-    for r in run.results:
+    for r in run.results:  # a late read shortens the next gap, so single gaps are loose
         assert r.output_len == 5 and len(r.itl_s) == 4
-        assert TTFT_S - 0.002 <= r.ttft_s < TTFT_S + 0.05
-        assert all(ITL_S - 0.002 <= x < ITL_S + 0.05 for x in r.itl_s)
-        assert np.median(r.itl_s) < ITL_S + 0.015
+        assert TTFT_S - 0.002 <= r.ttft_s < TTFT_S + 0.2  # nothing arrives before it is sent
+        assert all(0 < x < ITL_S + 0.2 for x in r.itl_s)
         assert r.e2e_s >= r.ttft_s + sum(r.itl_s) - 1e-6
+    gaps = [x for r in run.results for x in r.itl_s]
+    assert ITL_S - 0.002 <= np.median(gaps) < ITL_S + 0.015
     # usage overrides the request's own count: the script reports 1000 + n prompt tokens
     expected_prompt = 3 if backend == "sglang" else 1005
     assert [r.prompt_len for r in run.results] == [expected_prompt] * 3
@@ -283,7 +286,8 @@ def test_request_rate_sends_on_the_seeded_schedule():
         run = _bench(server, reqs, request_rate=25.0, seed=4)
     expected = arrival_offsets(6, 25.0, seed=4)
     sent = [r.start_s for r in run.results]
-    assert all(e - 0.002 <= s < e + 0.03 for s, e in zip(sent, expected)), (sent, expected)
+    assert all(e - 0.002 <= s < e + 0.1 for s, e in zip(sent, expected)), (sent, expected)
+    assert np.median(np.subtract(sent, expected)) < 0.02
 
 
 def test_failures_are_counted_with_their_error_text():
@@ -345,8 +349,8 @@ def test_cli_end_to_end_json_last_line_output_file_and_plot(tmp_path, capsys):
     assert any("Serving Benchmark Result" in line for line in stdout)
     assert bodies[0]["model"] == "scripted-model"  # asked /v1/models
     assert all(b["min_tokens"] == 3 and b["ignore_eos"] for b in bodies)
-    assert [b["prompt"] for b in bodies[:2]] == [reqs[0].prompt_ids] * 2  # the warm-up
-    assert bodies[0]["max_tokens"] == 3
+    warm = reqs[0].prompt_ids[3:] + reqs[0].prompt_ids[:3]  # no prefix of the dataset's
+    assert [b["prompt"] for b in bodies[:2]] == [warm] * 2 and bodies[0]["max_tokens"] == 3
     timed = [b["prompt"] for b in bodies[2:]]
     assert sorted(timed) == sorted(r.prompt_ids for r in reqs)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
@@ -355,9 +359,12 @@ def test_cli_end_to_end_json_last_line_output_file_and_plot(tmp_path, capsys):
 
 
 def test_cli_failed_warmup_stops_before_the_run(capsys):
-    argv = ["bench", "serve", "--vocab-size", "700", "--num-prompts", "8", "--seed", "3",
-            "--random-input-len", "6", "--random-output-len", "3", "--disable-tqdm"]  # fmt: skip
-    with ScriptedServer(fail=True) as server:  # seed 3: the first prompt is refused
+    argv = ["bench", "serve", "--vocab-size", "700", "--num-prompts", "8", "--seed", "1",
+            "--random-input-len", "6", "--random-output-len", "3", "--random-range-ratio", "1",
+            "--disable-tqdm"]  # fmt: skip
+    reqs = ds.random_requests(ds.RandomSpec(8, 6, 3, 1.0), ds.token_pool(700), seed=1)
+    assert ds.warmup_request(reqs[0]).prompt_ids[0] % FAIL_MOD == 0  # the seed's warm-up fails
+    with ScriptedServer(fail=True) as server:
         assert main([*argv, "--base-url", server.url]) == 1
         assert server.num_requests == 1
     assert "warm-up request failed: HTTP 400: prompt starts with" in capsys.readouterr().err

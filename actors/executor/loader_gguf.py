@@ -183,8 +183,7 @@ def config_from_reader(reader: Any, overrides: dict | None = None) -> ModelConfi
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":  # Llama 3.1 scaling, stored as frequency divisors
             fields["rope_freq_factors"] = dequantize(t).reshape(-1).tolist()
-    fields.update(overrides or {})
-    return from_gguf_metadata(meta, overrides=fields)
+    return from_gguf_metadata(meta, overrides={**fields, **(overrides or {})})
 
 
 def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:

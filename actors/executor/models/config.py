@@ -144,9 +144,53 @@ def _rope_scaling_from_hf(d: dict) -> RopeScaling | None:
     )
 
 
+# HF config.json keys accepted as overrides for any source, and the field each sets
+HF_KEY_ALIASES = {
+    "num_hidden_layers": "num_layers",
+    "num_attention_heads": "num_heads",
+    "num_key_value_heads": "num_kv_heads",
+    "rope_parameters": "rope_scaling",
+}
+
+
+def field_overrides(overrides: dict | None) -> dict[str, Any]:
+    """Overrides keyed by ModelConfig field (HF aliases renamed). Raises ValueError
+    naming any key that is neither a field nor an alias."""
+    out: dict[str, Any] = {}
+    fields = set(ModelConfig.__struct_fields__)
+    for k, v in (overrides or {}).items():
+        name = HF_KEY_ALIASES.get(k, k)
+        if name not in fields:
+            raise ValueError(f"unknown config override {k!r}")
+        if name == "rope_scaling" and isinstance(v, dict):
+            v = _rope_scaling_from_hf({"rope_scaling": v})
+        if name == "eos_token_ids" and not isinstance(v, list):
+            v = _eos_list(v)
+        out[name] = v
+    return out
+
+
+_HF_KEYS_READ = frozenset((
+    "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
+    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",
+    "tie_word_embeddings", "attention_bias", "mlp_bias", "sliding_window", "use_sliding_window",
+    "hidden_act", "bos_token_id", "eos_token_id",
+))  # fmt: skip
+
+
 def from_hf_dict(d: dict, *, overrides: dict | None = None) -> ModelConfig:
-    """Parse an HF config.json dict. Raises ValueError for an unsupported architecture."""
-    d = {**d, **(overrides or {})}
+    """Parse an HF config.json dict. `overrides` may use HF keys (applied to the dict
+    before parsing) or ModelConfig field names. Raises ValueError for an unsupported
+    architecture or an unknown override."""
+    overrides = overrides or {}
+    raw = {k: v for k, v in overrides.items() if k in d or k in _HF_KEYS_READ}
+    fields = {k: v for k, v in overrides.items() if k not in raw}
+    config = _from_hf_dict({**d, **raw})
+    return replace(config, **field_overrides(fields)) if fields else config
+
+
+def _from_hf_dict(d: dict) -> ModelConfig:
     archs = d.get("architectures") or []
     family = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
     if family is None:
@@ -239,9 +283,7 @@ def from_gguf_metadata(meta: dict[str, Any], *, overrides: dict | None = None) -
         eos_token_ids=_eos_list(meta.get("tokenizer.ggml.eos_token_id")),
         name=meta.get("general.name", "") or "",
     )
-    fields.update(overrides or {})
-    if isinstance(fields.get("rope_scaling"), dict):
-        fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+    fields.update(field_overrides(overrides))
     return ModelConfig(**fields)
 
 

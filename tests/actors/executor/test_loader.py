@@ -216,6 +216,24 @@ def test_dummy_from_config_overrides_only(tiny_model_dir):
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
 
 
+def test_config_overrides_take_hf_keys_or_field_names(tiny_model_dir):
+    _, cfg = load_model(None, load_format="dummy", progress=False,
+                        config_overrides={"num_hidden_layers": 2, "vocab_size": 512})  # fmt: skip
+    assert (cfg.num_layers, cfg.vocab_size, cfg.hidden_size) == (2, 512, 576)
+    _, cfg = load_model(
+        None, load_format="dummy", progress=False, config_overrides={"num_layers": 1}
+    )
+    assert cfg.num_layers == 1
+    d = str(tiny_model_dir("llama"))
+    _, cfg = load_model(d, load_format="dummy", progress=False,
+                        config_overrides={"num_layers": 1, "rope_theta": 5.0})  # fmt: skip
+    assert (cfg.num_layers, cfg.rope_theta) == (1, 5.0)
+    for bad in ({"num_layerz": 1}, {"num_kv_heads": 5}):
+        for path in (None, d):
+            with pytest.raises(LoadError):
+                load_model(path, load_format="dummy", progress=False, config_overrides=bad)
+
+
 # ---- errors -----------------------------------------------------------------------
 
 

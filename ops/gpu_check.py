@@ -32,10 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from shunter.actors.executor.kv_pool import KVPool
-from shunter.actors.executor.loader import build_empty_model
 from shunter.actors.executor.models import attention as attn_mod
 from shunter.actors.executor.models import llama as llama_mod
-from shunter.actors.executor.models.config import from_hf_dict
+from shunter.actors.executor.models.config import ModelConfig, from_hf_dict
 from shunter.actors.executor.runner import ForwardInput, ModelRunner
 from shunter.kernels.attention_decode import attention_decode, plan_decode
 from shunter.kernels.attention_decode_triton import attention_decode_triton
@@ -248,6 +247,19 @@ def triton_path() -> Iterator[None]:
             setattr(attn_mod, n, f)
 
 
+def build_empty_model(config: ModelConfig, dtype: torch.dtype) -> llama_mod.LlamaForCausalLM:
+    """Our model with uninitialised parameters on the GPU (the loader's own helper needs
+    structlog, which the device image lacks)."""
+    prev = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(dtype)
+        with torch.device("meta"):
+            model = llama_mod.LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(prev)
+    return model.to_empty(device=DEV).eval().requires_grad_(False)
+
+
 def hf_llama(kind: str, dtype: torch.dtype):
     """A seeded dummy-weight transformers Llama on the GPU: "small" (4 layers, hidden
     512, GQA 8/2) or "8b" (Llama-3.1-8B's shapes and rope scaling, 2 layers)."""
@@ -344,7 +356,7 @@ def model_checks(quick: bool, num_steps: int) -> list[dict]:
     for kind, dtype in cases:
         hf, cfg = hf_llama(kind, dtype)
         config = from_hf_dict(cfg.to_dict())
-        model = build_empty_model(config, dtype, DEV)
+        model = build_empty_model(config, dtype)
         model.load_weights((n, t) for n, t in hf.state_dict().items())
         prompt_lens = [37, 5, 120, 64]
         prompts = [

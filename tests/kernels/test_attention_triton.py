@@ -162,10 +162,13 @@ def test_extend_window_and_reusable_meta_agree_with_torch_reference():
     plan = plan_extend(num_new, seq_lens, tables, device=DEVICE, sliding_window=9)
     meta = extend_meta(plan, torch.device(DEVICE))
     out = attention_extend_triton(q, None, None, kc, vc, meta, 0.25, sliding_window=9)
-    want = attention_extend_ref(q, kc, vc, num_new, tables, 0.25, sliding_window=9)
-    torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
+    cpu = [t.cpu() for t in (q, kc, vc)]  # the torch reference builds its masks on the CPU
+    tabs = [t.cpu() for t in tables]
+    want = attention_extend_ref(*cpu, num_new, tabs, 0.25, sliding_window=9)
+    torch.testing.assert_close(out.cpu(), want, rtol=2e-5, atol=2e-5)
     full = attention_extend_triton(q, None, None, kc, vc, meta, 0.25)
-    torch.testing.assert_close(full, attention_extend_ref(q, kc, vc, num_new, tables, 0.25))
+    want = attention_extend_ref(*cpu, num_new, tabs, 0.25)
+    torch.testing.assert_close(full.cpu(), want, rtol=2e-5, atol=2e-5)
 
 
 @gpu

@@ -120,11 +120,11 @@ def test_logprobs_and_top_logprobs(client, model):
 
 
 def test_n_choices_with_a_seed_are_reproducible(client, model):
-    kw = dict(model=model, prompt="Once upon a time", max_tokens=4, temperature=1.0, n=3, seed=42)
+    kw = dict(model=model, prompt="Once upon a time", max_tokens=3, temperature=1.0, n=3, seed=42)
     a, b = client.completions.create(**kw), client.completions.create(**kw)
     assert sorted(c.index for c in a.choices) == [0, 1, 2]
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
-    assert 3 <= a.usage.completion_tokens <= 12
+    assert 3 <= a.usage.completion_tokens <= 9
 
 
 def test_generate_streaming_framing(server):

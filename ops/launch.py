@@ -94,14 +94,11 @@ def decode_config(text: str | bytes, config_type: type | None) -> Any:
 # ---- the child -----------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The child's options (also what a `shunter launch` subcommand would take)."""
     from shunter.bus.zmq_transport import default_endpoints
 
     eps = default_endpoints()
-    p = argparse.ArgumentParser(
-        prog="python -m shunter.ops.launch", allow_abbrev=False,
-        description="run one actor in this process, on the ZMQ bus",
-    )  # fmt: skip
     p.add_argument("actor", help=f"{', '.join(ACTORS)}, or module:function")
     p.add_argument("--actor-id", required=True, help="bus publisher id (e.g. executor.0)")
     p.add_argument("--config-json", default="{}", help="the config as JSON, or - for stdin")
@@ -112,13 +109,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connect-timeout", type=float, default=30.0, metavar="SECONDS")
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", default="auto")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m shunter.ops.launch", allow_abbrev=False,
+        description="run one actor in this process, on the ZMQ bus",
+    )  # fmt: skip
+    add_arguments(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run one actor until it ends or a signal stops it; returns the exit code."""
     from shunter.ops import logging as shunter_logging
 
-    args = build_parser().parse_args(argv)
     try:
         shunter_logging.configure(args.log_level, args.log_format)
         if not args.heartbeat_interval > 0:

@@ -118,6 +118,7 @@ class ClientConfig(msgspec.Struct, frozen=True):
     max_concurrency: int | None = None
     seed: int = 1
     request_timeout_s: float = 600.0
+    max_event_bytes: int = 1 << 24  # /generate streams cumulative output ids and text per event
 
     def __post_init__(self) -> None:
         if self.backend not in PATHS:
@@ -257,7 +258,7 @@ async def send_one(
         stream.finish(time.perf_counter())
     except _Failed as e:
         r.error = str(e)
-    except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+    except Exception as e:  # one request's failure, whatever it is, must not end the run
         r.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     return r
 
@@ -273,7 +274,7 @@ async def run_benchmark(
     in_flight = max_in_flight = 0
     bar = tqdm(total=len(requests), disable=not progress, file=sys.stderr, desc="requests")
     async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0), timeout=timeout
+        connector=aiohttp.TCPConnector(limit=0), timeout=timeout, read_bufsize=cfg.max_event_bytes
     ) as session:
         if num_warmup and requests:
             warm = ds.warmup_request(requests[0])

@@ -26,15 +26,15 @@ from shunter.ops.bench_metrics import RequestResult, summarize
 from shunter.ops.bench_serve import ClientConfig, arrival_offsets, payload, run_benchmark
 from shunter.ops.cli import main
 
-TTFT_S, ITL_S = 0.08, 0.03
+TTFT_S, ITL_S = 0.1, 0.04
 FAIL_MOD = 7  # first prompt id % FAIL_MOD == 0 -> 400; == 1 -> error event mid-stream
 
 
 class ScriptedServer:
     """OpenAI /v1/completions, /v1/chat/completions and SGLang /generate, with fixed delays."""
 
-    def __init__(self, fail: bool = False) -> None:
-        self.fail = fail
+    def __init__(self, fail: bool = False, pad_bytes: int = 0) -> None:
+        self.fail, self.pad = fail, "p" * pad_bytes  # pad: an extra field in every chunk
         self.in_flight = self.max_in_flight = self.num_requests = 0
         self.bodies: list[dict] = []
         self.loop = asyncio.new_event_loop()
@@ -91,6 +91,7 @@ class ScriptedServer:
             await resp.prepare(request)
 
             async def send(obj) -> None:
+                obj = {**obj, "pad": self.pad} if self.pad else obj
                 await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
             if request.path == "/v1/chat/completions":  # a role chunk carries no content
@@ -247,8 +248,8 @@ def test_ttft_itl_e2e_match_the_scripted_delays(backend):
     reqs = _requests(3, output_len=5)
     if backend == "openai-chat":
         reqs = ds.with_text(reqs, str)
-    with ScriptedServer() as server:
-        run = _bench(server, reqs, backend=backend)
+    with ScriptedServer() as server:  # one at a time: a stall of a loaded machine hits one
+        run = _bench(server, reqs, backend=backend, max_concurrency=1)
     assert all(r.success for r in run.results), [r.error for r in run.results]
     for r in run.results:  # a late read shortens the next gap, so single gaps are loose
         assert r.output_len == 5 and len(r.itl_s) == 4
@@ -256,15 +257,15 @@ def test_ttft_itl_e2e_match_the_scripted_delays(backend):
         assert all(0 < x < ITL_S + 0.2 for x in r.itl_s)
         assert r.e2e_s >= r.ttft_s + sum(r.itl_s) - 1e-6
     gaps = [x for r in run.results for x in r.itl_s]
-    assert ITL_S - 0.002 <= np.median(gaps) < ITL_S + 0.015
+    assert ITL_S - 0.002 <= np.median(gaps) < ITL_S + 0.02
     # usage overrides the request's own count: the script reports 1000 + n prompt tokens
     expected_prompt = 3 if backend == "sglang" else 1005
     assert [r.prompt_len for r in run.results] == [expected_prompt] * 3
     assert [r.cached_len for r in run.results] == [2 if backend == "sglang" else 1000] * 3
     s = summarize(run.results, run.duration_s)
-    assert s["median_ttft_ms"] == pytest.approx(TTFT_S * 1e3, abs=25)
+    assert TTFT_S * 1e3 - 2 <= s["median_ttft_ms"] < TTFT_S * 1e3 + 40
     assert s["cache_hit_rate"] == pytest.approx(2 / 3 if backend == "sglang" else 1000 / 1005)
-    assert s["median_tpot_ms"] == pytest.approx(ITL_S * 1e3, abs=15)
+    assert ITL_S * 1e3 - 2 <= s["median_tpot_ms"] < ITL_S * 1e3 + 20
 
 
 @pytest.mark.parametrize("bound", [2, None])
@@ -303,6 +304,16 @@ def test_failures_are_counted_with_their_error_text():
     s = summarize(run.results, run.duration_s)
     assert (s["completed"], s["failed"]) == (2, 4)
     assert s["errors"]["engine died"] == 2 and sum(s["errors"].values()) == 4
+
+
+def test_long_events_are_read_whole():
+    with ScriptedServer(pad_bytes=300_000) as server:  # above aiohttp's default line limit
+        run = _bench(server, _requests(2, output_len=3))
+    assert [(r.success, r.output_len, r.error) for r in run.results] == [(True, 3, "")] * 2
+    with ScriptedServer(pad_bytes=300_000) as server:
+        run = _bench(server, _requests(2, output_len=3), max_event_bytes=1 << 16)
+    assert not any(r.success for r in run.results)  # recorded as failures, not raised
+    assert all(r.error.startswith("LineTooLong") for r in run.results), run.results[0].error
 
 
 def test_unreachable_server_fails_requests_without_raising():

@@ -30,6 +30,43 @@ if INTERPRETED:
 
 
 @triton.jit
+def _attend(
+    q, m_i, l_i, acc, k_ptr, v_ptr, table_row, kv_base, n0, kv_end, q_pos, d, dm,
+    cache_slot_stride, scale, window,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """One block of BLOCK_N keys into the running softmax (m_i, l_i, acc). CAUSAL
+    masks keys past each query and past kv_end; without it every key is allowed."""
+    offs = n0 + tl.arange(0, BLOCK_N)
+    nm = offs < kv_end
+    slots = tl.load(table_row + offs, mask=nm, other=0).to(tl.int64)
+    kv_off = slots[:, None] * cache_slot_stride + kv_base + d[None, :]  # [N, D]
+    k = tl.load(k_ptr + kv_off, mask=nm[:, None] & dm[None, :], other=0.0)
+    v = tl.load(v_ptr + kv_off, mask=nm[:, None] & dm[None, :], other=0.0)
+    if UPCAST:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * scale
+    if CAUSAL:
+        s = tl.where(nm[None, :] & (offs[None, :] <= q_pos[:, None]), s, float("-inf"))
+    if HAS_WINDOW:
+        s = tl.where(offs[None, :] > q_pos[:, None] - window, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _extend_kernel(
     q_ptr,
     k_ptr,
@@ -77,45 +114,30 @@ def _extend_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     q_pos = prefix + m_offs  # [M]
+    first_q = prefix + mblk * BLOCK_M
     # a block past the entry's new tokens reads nothing (end <= start)
-    kv_end = tl.minimum(seq_len, prefix + mblk * BLOCK_M + BLOCK_M)
-    kv_end = tl.where(mblk * BLOCK_M < num_new, kv_end, 0)
+    kv_end = tl.where(mblk * BLOCK_M < num_new, tl.minimum(seq_len, first_q + BLOCK_M), 0)
     kv_start = 0
     if HAS_WINDOW:
-        kv_start = tl.maximum(prefix + mblk * BLOCK_M - window + 1, 0)
+        kv_start = tl.maximum(first_q - window + 1, 0)
+    # whole blocks of keys before the block's first query need no causal mask
+    free_end = kv_start + tl.maximum(first_q - kv_start, 0) // BLOCK_N * BLOCK_N
+    free_end = tl.minimum(free_end, kv_end)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     kv_base = (h // group).to(tl.int64) * cache_head_stride
-    for n0 in range(kv_start, kv_end, BLOCK_N):
-        offs = n0 + tl.arange(0, BLOCK_N)
-        nm = offs < kv_end
-        slots = tl.load(table_ptr + e * table_stride + offs, mask=nm, other=0).to(tl.int64)
-        kv_off = slots[:, None] * cache_slot_stride + kv_base + d[None, :]  # [N, D]
-        k = tl.load(k_ptr + kv_off, mask=nm[:, None] & dm[None, :], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        allowed = nm[None, :] & (offs[None, :] <= q_pos[:, None])
-        if HAS_WINDOW:
-            allowed = allowed & (offs[None, :] > q_pos[:, None] - window)
-        s = tl.where(allowed, s * scale, float("-inf"))  # [M, N]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kv_off, mask=nm[:, None] & dm[None, :], other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    table_row = table_ptr + e * table_stride
+    for n0 in range(kv_start, free_end, BLOCK_N):
+        m_i, l_i, acc = _attend(
+            q, m_i, l_i, acc, k_ptr, v_ptr, table_row, kv_base, n0, kv_end, q_pos, d, dm,
+            cache_slot_stride, scale, window, False, HAS_WINDOW, IEEE, UPCAST, BLOCK_N,
+        )  # fmt: skip
+    for n0 in range(free_end, kv_end, BLOCK_N):
+        m_i, l_i, acc = _attend(
+            q, m_i, l_i, acc, k_ptr, v_ptr, table_row, kv_base, n0, kv_end, q_pos, d, dm,
+            cache_slot_stride, scale, window, True, HAS_WINDOW, IEEE, UPCAST, BLOCK_N,
+        )  # fmt: skip
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + rows[:, None] * out_tok_stride + h * out_head_stride + d[None, :],
@@ -144,6 +166,16 @@ def extend_meta(plan: ExtendPlan, device: torch.device) -> ExtendMeta:
     return ExtendMeta(table.contiguous(), dev[0], dev[1], dev[2], max(plan.num_new_tokens))
 
 
+def extend_launch(max_num_new: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): short extends get short query blocks
+    (less padding); long ones the block shape measured fastest on an H200."""
+    if max_num_new <= 16:
+        return 16, 64, 4, 2
+    if max_num_new <= 64:
+        return 64, 64, 4, 2
+    return 64, 64, 4, 2
+
+
 def attention_extend_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -154,9 +186,11 @@ def attention_extend_triton(
     scale: float,
     *,
     sliding_window: int | None = None,
+    launch: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] (this step's new tokens, already in the pool, so
-    not read here); k_cache, v_cache: [num_slots, Hkv, D] -> [T, H, D]."""
+    not read here); k_cache, v_cache: [num_slots, Hkv, D] -> [T, H, D].
+    launch: (BLOCK_M, BLOCK_N, num_warps, num_stages), else chosen by `extend_launch`."""
     del k, v  # read back from the pool, where kv_store put them
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -169,7 +203,7 @@ def attention_extend_triton(
     num_entries = meta.table.shape[0]
     if num_tokens == 0 or num_entries == 0:
         return out
-    block_m, block_n = 64, 64
+    block_m, block_n, num_warps, num_stages = launch or extend_launch(meta.max_num_new)
     grid = (triton.cdiv(meta.max_num_new, block_m), num_entries, num_heads)
     _extend_kernel[grid](
         q,
@@ -197,6 +231,7 @@ def attention_extend_triton(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
-        num_warps=4,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out

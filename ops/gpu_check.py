@@ -175,24 +175,32 @@ def _check_rope_kv(copy_gbs: float, t: int = 16384) -> list[dict]:
     return rows
 
 
-def _check_decode(copy_gbs: float, bsz: int, length: int, page: int) -> dict:
+def _check_decode(
+    copy_gbs: float, bsz: int, length: int, page: int, num_splits: int | None = None
+) -> dict:
     scale = HEAD_DIM**-0.5
     tables, num_slots = _paged_tables([length] * bsz, page)
     kc, vc = _rand(num_slots, NUM_KV, HEAD_DIM), _rand(num_slots, NUM_KV, HEAD_DIM)
     q = _rand(bsz, NUM_HEADS, HEAD_DIM)
     plan = plan_decode(tables, device=DEV)
-    out = attention_decode_triton(q, kc, vc, plan, scale)
+    out = attention_decode_triton(q, kc, vc, plan, scale, num_splits=num_splits)
     last = torch.tensor([length - 1], device=DEV)
     err = max(rel_err(out[b : b + 1], _sdpa64(q[b : b + 1], kc, vc, tables[b], last, scale))
               for b in range(0, bsz, max(1, bsz // 4)))  # fmt: skip
     nbytes = bsz * length * (2 * NUM_KV * HEAD_DIM * 2 + 8)  # K, V and the slot index
-    return _row(f"decode page{page}", f"B{bsz} L{length}", err, TOL_ATTENTION, nbytes,
-                bench_ms(lambda: attention_decode_triton(q, kc, vc, plan, scale), reps=30),
-                bench_ms(lambda: attention_decode(q, kc, vc, plan, scale), reps=10),
-                copy_gbs)  # fmt: skip
+    name = f"decode page{page}" + (f" splits={num_splits}" if num_splits else "")
+    t_torch = (
+        bench_ms(lambda: attention_decode(q, kc, vc, plan, scale), 10) if not num_splits else 0
+    )
+    return _row(name, f"B{bsz} L{length}", err, TOL_ATTENTION, nbytes,
+                bench_ms(lambda: attention_decode_triton(q, kc, vc, plan, scale,
+                                                         num_splits=num_splits), reps=30),
+                t_torch, copy_gbs)  # fmt: skip
 
 
-def _check_extend(copy_gbs: float, num_new: list[int], seq_lens: list[int]) -> dict:
+def _check_extend(
+    copy_gbs: float, num_new: list[int], seq_lens: list[int], launch: tuple | None = None
+) -> dict:
     scale = HEAD_DIM**-0.5
     tables, num_slots = _paged_tables(seq_lens, 16)
     kc, vc = _rand(num_slots, NUM_KV, HEAD_DIM), _rand(num_slots, NUM_KV, HEAD_DIM)
@@ -201,16 +209,20 @@ def _check_extend(copy_gbs: float, num_new: list[int], seq_lens: list[int]) -> d
     meta = extend_meta(plan, DEV)
     new_slots = torch.cat([t[s - n :] for t, n, s in zip(tables, num_new, seq_lens, strict=True)])
     kn, vn = kc[new_slots], vc[new_slots]  # the new tokens' K/V, for the torch path
-    out = attention_extend_triton(q, None, None, kc, vc, meta, scale)
+    out = attention_extend_triton(q, None, None, kc, vc, meta, scale, launch=launch)
     n0, s0 = num_new[0], seq_lens[0]
     rows = torch.arange(0, n0, 97, device=DEV)  # float64 reference on every 97th row
     err = rel_err(out[rows], _sdpa64(q[rows], kc, vc, tables[0], s0 - n0 + rows, scale))
     pairs = sum(n * (s - n) + n * (n + 1) / 2 for n, s in zip(num_new, seq_lens, strict=True))
     nbytes = q.numel() * 4 + sum(seq_lens) * 2 * NUM_KV * HEAD_DIM * 2
-    return _row("extend page16", f"{len(num_new)}x new{n0} seq{s0}", err, TOL_ATTENTION, nbytes,
-                bench_ms(lambda: attention_extend_triton(q, None, None, kc, vc, meta, scale), 20),
-                bench_ms(lambda: attention_extend(q, kn, vn, kc, vc, plan, scale), 10),
-                copy_gbs, flops=4 * NUM_HEADS * HEAD_DIM * pairs)  # fmt: skip
+    name = "extend page16" + (" M{}/N{}/w{}/s{}".format(*launch) if launch else "")
+    t_torch = (
+        bench_ms(lambda: attention_extend(q, kn, vn, kc, vc, plan, scale), 10) if not launch else 0
+    )
+    return _row(name, f"{len(num_new)}x new{n0} seq{s0}", err, TOL_ATTENTION, nbytes,
+                bench_ms(lambda: attention_extend_triton(q, None, None, kc, vc, meta, scale,
+                                                         launch=launch), 20),
+                t_torch, copy_gbs, flops=4 * NUM_HEADS * HEAD_DIM * pairs)  # fmt: skip
 
 
 def kernel_checks(copy_gbs: float, quick: bool) -> list[dict]:
@@ -220,6 +232,16 @@ def kernel_checks(copy_gbs: float, quick: bool) -> list[dict]:
         rows.append(_check_decode(copy_gbs, bsz, length, page))
     rows.append(_check_extend(copy_gbs, [4096] * 4, [4096] * 4))
     rows.append(_check_extend(copy_gbs, [512] * 4, [16384] * 4))
+    return rows
+
+
+def launch_sweep(copy_gbs: float) -> list[dict]:
+    """Split counts for one long decode, block shapes for long extends."""
+    rows = [_check_decode(copy_gbs, 1, 131072, 16, n) for n in (66, 132, 264, 528)]
+    for launch in [(64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3),
+                   (128, 128, 8, 2), (64, 128, 4, 2), (128, 32, 4, 3)]:  # fmt: skip
+        rows.append(_check_extend(copy_gbs, [4096] * 4, [4096] * 4, launch))
+        rows.append(_check_extend(copy_gbs, [512] * 4, [16384] * 4, launch))
     return rows
 
 
@@ -353,7 +375,8 @@ def compare(hf_tokens, hf_logits, ours) -> dict:
 
 def model_checks(quick: bool, num_steps: int) -> list[dict]:
     rows = []
-    cases = [("small", torch.float32), ("small", BF16)] + ([] if quick else [("8b", BF16)])
+    cases = [("small", torch.float32), ("small", BF16)]
+    cases += [] if quick else [("8b", torch.float32), ("8b", BF16)]
     gen = torch.Generator().manual_seed(1)
     for kind, dtype in cases:
         hf, cfg = hf_llama(kind, dtype)
@@ -367,13 +390,14 @@ def model_checks(quick: bool, num_steps: int) -> list[dict]:
         hf_tokens, hf_logits = hf_greedy(hf, prompts, num_steps)
         del hf
         for path in ("torch ops", "triton"):
-            pool = KVPool(config, 256, page_size=16, dtype=dtype, device=DEV)
+            timed = kind == "8b" and dtype == BF16  # + one decode step of 32 x 2048 context
+            pool = KVPool(config, 4200 if timed else 256, page_size=16, dtype=dtype, device=DEV)
             runner = ModelRunner(model, pool)
             ctx = triton_path() if path == "triton" else contextlib.nullcontext()
             with ctx:
                 ours = ours_teacher_forced(runner, prompts, hf_tokens, 16)
                 step_ms = None
-                if kind == "8b":  # one decode step of 32 entries at 2048 context
+                if timed:
                     tabs = [
                         torch.arange(b * 2048, (b + 1) * 2048) % pool.num_slots for b in range(32)
                     ]
@@ -392,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="write the JSON report here")
     ap.add_argument("--quick", action="store_true", help="fewer shapes, no 8B-shape model")
+    ap.add_argument("--sweep", action="store_true", help="also time other launch shapes")
     ap.add_argument("--steps", type=int, default=48, help="greedy steps per entry")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -403,11 +428,13 @@ def main(argv: list[str] | None = None) -> int:
     report["copy_gbs"] = copy_bandwidth()
     print(f"{props.name}: D2D copy {report['copy_gbs']:.0f} GB/s (read + write)", flush=True)
     report["kernels"] = kernel_checks(report["copy_gbs"], args.quick)
-    print(f"{'op':24} {'shape':28} {'err':>9} {'tol':>7} {'triton us':>10} {'torch us':>10} "
+    if args.sweep:
+        report["kernels"] += launch_sweep(report["copy_gbs"])
+    print(f"{'op':36} {'shape':24} {'err':>9} {'tol':>7} {'triton us':>10} {'torch us':>10} "
           f"{'GB/s':>7} {'%copy':>6} {'TFLOP/s':>8}")  # fmt: skip
     for r in report["kernels"]:
         tf = f"{r['tflops']:8.1f}" if r["tflops"] else " " * 8
-        print(f"{r['op']:24} {r['shape']:28} {r['max_rel_err']:9.2e} {r['tol']:7.1e} "
+        print(f"{r['op']:36} {r['shape']:24} {r['max_rel_err']:9.2e} {r['tol']:7.1e} "
               f"{r['triton_us']:10.1f} {r['torch_us']:10.1f} {r['gbs']:7.0f} "
               f"{r['pct_copy_bw']:6.1f} {tf} {'ok' if r['ok'] else 'FAIL'}", flush=True)  # fmt: skip
     report["models"] = model_checks(args.quick, args.steps)

@@ -141,6 +141,7 @@ def _extend_expected(q, kc, vc, num_new, tables, scale, window=None):
         (9, 3, 64, [3, 70, 1], [10, 70, 40]),  # prefix + new, no prefix, one new token
         (4, 4, 7, [130], [133]),  # several query blocks
         (8, 2, 16, [5, 66], [5, 200]),
+        (4, 2, 32, [3, 1, 16], [40, 1, 16]),  # short extends: 16-row query blocks
     ],
 )
 def test_extend_matches_sdpa(dtype, page_size, num_heads, num_kv, head_dim, num_new, seq_lens):

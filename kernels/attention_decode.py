@@ -92,12 +92,9 @@ def attention_decode(
     # k, v: [B, Hkv, L, D]
     if k.dtype != torch.float32 and k.device.type == "cpu":
         k, v = k.float(), v.float()  # torch's reduced-precision CPU attention is far slower
-    out = F.scaled_dot_product_attention(
-        q[:, :, None, :].to(k.dtype),  # [B, H, 1, D]
-        k,
-        v,
-        attn_mask=plan.mask,
-        scale=scale,
-        enable_gqa=k.shape[1] != num_heads,
-    )  # [B, H, 1, D]
-    return out.view(bsz, num_heads, head_dim).to(q.dtype)
+    # Query heads h of one KV head are consecutive (h // group), so the group becomes the
+    # query-length axis: [B, Hkv, group, D] attends over [B, Hkv, L, D] with no KV repeat.
+    num_kv_heads = k.shape[1]
+    qg = q.reshape(bsz, num_kv_heads, num_heads // num_kv_heads, head_dim).to(k.dtype)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.mask, scale=scale)
+    return out.reshape(bsz, num_heads, head_dim).to(q.dtype)  # [B, H, D]

@@ -134,6 +134,14 @@ def server(request, tmp_path_factory):
     with running_server(tmp_path_factory.mktemp(f"server-{request.param}"), request.param) as s:
         yield s
     assert s.proc.returncode == 0, f"server exit {s.proc.returncode}:\n{s.log_tail()}"
+    # Everything the session did replays: the scheduler's and the cache manager's
+    # decisions come back identical from their recorded inboxes.
+    for actor in ("scheduler", "cache"):
+        r = subprocess.run(
+            [sys.executable, "-m", "shunter.ops.busctl", "replay", str(s.events_dir),
+             "--actor", actor], capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert r.returncode == 0 and "identical" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.fixture(params=MODES)

@@ -16,6 +16,7 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.ticker import MaxNLocator
 
 from shunter.ops.bench_metrics import RequestResult
 
@@ -76,6 +77,7 @@ def write_plot(
     times, counts = _in_flight(results)
     ax_conc.step(times, counts, where="post", color=COLORS[0])
     ax_conc.set(title=f"{label}: requests in flight", xlabel="time (s)", ylabel="requests")
+    ax_conc.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax_conc.grid(True, alpha=0.3)
 
     def fmt(key: str, unit: str) -> str:
@@ -87,6 +89,11 @@ def write_plot(
         f"{summary.get('completed', 0)} ok, {summary.get('failed', 0)} failed | "
         f"out {fmt('output_token_throughput', 'tok/s')} | "
         f"TTFT p50 {fmt('median_ttft_ms', 'ms')} | ITL p50 {fmt('median_itl_ms', 'ms')}"
+        + (
+            f" | cache hits {summary['cache_hit_rate']:.0%}"
+            if summary.get("cache_hit_rate")
+            else ""
+        )
     )
     fig.tight_layout()
     fig.savefig(path, dpi=100)

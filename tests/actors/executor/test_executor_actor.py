@@ -154,3 +154,32 @@ async def test_forward_runs_off_the_event_loop(config):
     assert released_by_test == [True]
     assert isinstance(res, StepResult) and res.error is None and res.rows == [0]
     assert res.forward_us > 0
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        (dict(dtype="float64"), "dtype"),
+        (dict(load_format="onnx"), "load_format"),
+        (dict(device="tpu"), "device"),
+        (dict(page_size=0), "page_size"),
+        (dict(max_total_tokens=0), "max_total_tokens"),
+        (dict(mem_fraction_static=1.5), "mem_fraction_static"),
+        (dict(context_length=0), "context_length"),
+        (dict(num_threads=0), "num_threads"),
+        (dict(max_num_rows=0), "max_num_rows"),
+    ],
+)
+def test_config_rejects_bad_values(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        ExecutorConfig(**kw)
+
+
+@pytest.mark.anyio
+async def test_missing_model_fails_the_actor_with_a_clear_error(tmp_path):
+    from shunter.actors.executor.loader import LoadError
+
+    bus = InProcHub().connect("executor.0")
+    config = ExecutorConfig(model_path=str(tmp_path / "nope"), device="cpu", load_progress=False)
+    with pytest.raises(LoadError, match="does not exist"):
+        await run(config, bus)

@@ -16,6 +16,9 @@ core's mirror depends on that order). Runs until cancelled.
 
 A malformed batch or a failed forward is a StepResult with `error` (the core's job);
 a failure to load is actor-scoped: LoadError propagates to the supervisor.
+
+Invariants: one batch is in the core at a time, in arrival order; the core never runs
+on the event loop's thread; every ForwardBatch gets exactly one StepResult.
 """
 
 from __future__ import annotations

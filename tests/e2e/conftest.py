@@ -25,9 +25,9 @@ import pytest
 
 START_TIMEOUT_S = float(os.environ.get("SHUNTER_E2E_START_TIMEOUT_S", "400"))
 MODES = ["embedded", pytest.param("multi-process", marks=pytest.mark.heavy)]
-BASE_ARGS = ["--max-total-tokens", "32768", "--log-format", "json", "--shutdown-timeout", "20",
-             "--enable-metrics",
-             "--heartbeat-interval", "0.5", "--watchdog-timeout", "60"]  # fmt: skip
+BASE_ARGS = ["--log-format", "json", "--shutdown-timeout", "20", "--enable-metrics"]
+# Given through --config, so the file path is exercised end to end (keys in both spellings).
+CONFIG_FILE = "max-total-tokens: 32768\nheartbeat_interval: 0.5\nwatchdog-timeout: 60\n"
 
 
 def free_port() -> int:
@@ -46,8 +46,11 @@ class Server:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.events_dir = workdir / "events"
         self.log_path = workdir / "server.log"
+        config = workdir / "serve.yaml"
+        config.write_text(CONFIG_FILE)
         argv = [sys.executable, "-m", "shunter", "serve", "--port", str(self.port),
-                "--record-events", str(self.events_dir), *BASE_ARGS, *extra]  # fmt: skip
+                "--record-events", str(self.events_dir), "--config", str(config),
+                *BASE_ARGS, *extra]  # fmt: skip
         if mode == "multi-process":
             argv.append("--multi-process")
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())

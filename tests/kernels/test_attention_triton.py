@@ -110,7 +110,8 @@ def test_decode_agrees_with_torch_reference_and_window():
 
 
 def test_decode_split_count_fills_the_gpu_without_tiny_splits():
-    assert choose_num_splits(1, 8, 32768, 132) == 33  # one long entry: split to fill 132 SMs
+    assert choose_num_splits(1, 8, 131072, 132) == 66  # one long entry: 4 programs per SM
+    assert choose_num_splits(4, 8, 131072, 132) == 16
     assert choose_num_splits(64, 8, 32768, 132) == 1  # 512 programs already
     assert choose_num_splits(1, 8, 300, 132) == 2  # no split shorter than 256 keys
     assert choose_num_splits(1, 1, 1, 132) == 1

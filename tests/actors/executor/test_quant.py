@@ -42,7 +42,7 @@ def test_packed_linear_computes_rounded_weights(rows, bias):
 
 
 @pytest.mark.skipif(not quant.int4_supported(), reason="no int4 weight kernel in this torch")
-@pytest.mark.parametrize("rows", [1, 4, 9])
+@pytest.mark.parametrize("rows", [1, 4, 9, 13])
 def test_int4_packs_groups_of_32_and_recovers_q4_1_weights(rows):
     g = torch.Generator().manual_seed(rows)
     # weights built as Q4_1 builds them: per group of 32, d * q + m with q in 0..15
@@ -84,6 +84,7 @@ def test_default_model_agrees_where_the_reference_is_clear(
     if fmt == "int4" and not quant.int4_supported():
         pytest.skip("no int4 weight kernel in this torch")
     monkeypatch.setattr(quant, "INT8_MAX_ROWS", 1 << 30)  # the packed kernel for every row
+    monkeypatch.setattr(quant, "INT4_MAX_ROWS", 1 << 30)
     model, config = copy.deepcopy(default_model[0]), default_model[1]
     convert_linears(model, fmt)
     assert all(not isinstance(m, torch.nn.Linear) for m in model.modules())

@@ -44,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-path", default=None, help="model (default: SmolLM2-135M GGUF)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--threads", type=int, default=2, help="torch threads for both engines")
+    p.add_argument(
+        "--weight-format", default="none", choices=("none", "bf16", "int8", "int4"),
+        help="our projection weights' format (HF keeps --dtype)",
+    )  # fmt: skip
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--decode-prompt-len", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per batch size")
@@ -69,6 +73,7 @@ class Ours:
         cfg = ExecutorConfig(
             model_path=args.model_path, dtype=args.dtype, device="cpu", num_threads=args.threads,
             page_size=args.page_size, max_total_tokens=max_tokens, load_progress=True,
+            weight_format=args.weight_format,
         )  # fmt: skip
         self.core = build_core(cfg)
         self.ps = args.page_size

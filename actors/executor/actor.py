@@ -70,6 +70,7 @@ def build_core(config: ExecutorConfig) -> ExecutorCore:
         seed=config.seed,
         progress=config.load_progress,
         config_overrides=dict(config.model_overrides) or None,
+        weight_format=config.weight_format,
     )
     max_context_len = min(config.context_length or mcfg.max_position_embeddings,
                           mcfg.max_position_embeddings)  # fmt: skip

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from shunter.actors.executor.models.quant import WEIGHT_FORMATS
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
@@ -38,6 +40,9 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Show a progress bar while loading weights."""
     model_overrides: dict[str, int | float | str] = {}
     """ModelConfig fields to override (e.g. num_layers for a small dummy model)."""
+    weight_format: str = "none"
+    """Projection weights kept as "bf16", "int8" or "int4" (models/quant.py) to cut the
+    bytes a CPU decode step reads; "none" keeps them in the model dtype."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -58,5 +63,9 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"context_length must be >= 1, got {self.context_length}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(
+                f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}"
+            )
         if self.max_num_rows < 1:
             raise ValueError(f"max_num_rows must be >= 1, got {self.max_num_rows}")

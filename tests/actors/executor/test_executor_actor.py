@@ -168,11 +168,22 @@ async def test_forward_runs_off_the_event_loop(config):
         (dict(context_length=0), "context_length"),
         (dict(num_threads=0), "num_threads"),
         (dict(max_num_rows=0), "max_num_rows"),
+        (dict(weight_format="fp4"), "weight_format"),
     ],
 )
 def test_config_rejects_bad_values(kw, needle):
     with pytest.raises(ValueError, match=needle):
         ExecutorConfig(**kw)
+
+
+def test_weight_format_reaches_the_model():
+    from shunter.actors.executor.models.quant import PackedLinear
+
+    core = build_core(
+        ExecutorConfig(max_total_tokens=64, load_progress=False, weight_format="int8")
+    )
+    packed = [m for m in core.runner.model.modules() if isinstance(m, PackedLinear)]
+    assert packed and all(m.fmt == "int8" for m in packed)
 
 
 @pytest.mark.anyio

@@ -223,3 +223,26 @@ async def test_soak_many_publishers_through_a_broker_process(ipc_dir):
             await bus.aclose()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
+
+
+@pytest.mark.anyio
+async def test_a_message_handed_to_a_cancelled_receive_is_kept(broker):
+    """The socket reader hands a message to the waiting receive; if that receive is
+    cancelled before it runs again (asyncio.wait_for timing out, say), the message must
+    not be lost. (anyio's scopes never cancel a task whose wait is already done.)"""
+    import asyncio
+
+    bus = ZmqBus("b", broker.endpoints)
+    try:
+        sub = bus.subscribe(types=(Tick,))
+        await bus.wait_connected()
+        task = asyncio.ensure_future(sub.receive())
+        await anyio.wait_all_tasks_blocked()
+        frames = list(encode(Tick(9), bus.stamp(), topic_seq=0))
+        sub._source._waiter.set_result(frames)  # what the socket reader does
+        task.cancel()  # ... and the receive is cancelled before it resumes
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert sub.receive_nowait().msg == Tick(9)
+    finally:
+        await bus.aclose()

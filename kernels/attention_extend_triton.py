@@ -166,14 +166,15 @@ def extend_meta(plan: ExtendPlan, device: torch.device) -> ExtendMeta:
     return ExtendMeta(table.contiguous(), dev[0], dev[1], dev[2], max(plan.num_new_tokens))
 
 
-def extend_launch(max_num_new: int) -> tuple[int, int, int, int]:
+def extend_launch(max_num_new: int, block_d: int, elem_bytes: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages): short extends get short query blocks
-    (less padding); long ones the block shape measured fastest on an H200 (128 x 128,
-    8 warps: 266 TFLOP/s on 4 x 4096 causal tokens at the 8B head shape, 221 with
-    64 x 64 and 4 warps)."""
+    (less padding); long 16-bit ones with heads up to 128 the block shape measured
+    fastest on an H200 (128 x 128, 8 warps: 266 TFLOP/s on 4 x 4096 causal tokens at the
+    8B head shape, 221 with 64 x 64 and 4 warps). A float32 pool with 128 x 128 blocks
+    asked for 256 KiB of shared memory (the H200 has 227 KiB), so it keeps 64 x 64."""
     if max_num_new <= 16:
         return 16, 64, 4, 2
-    if max_num_new <= 64:
+    if max_num_new <= 64 or elem_bytes > 2 or block_d > 128:
         return 64, 64, 4, 2
     return 128, 128, 8, 2
 
@@ -205,7 +206,10 @@ def attention_extend_triton(
     num_entries = meta.table.shape[0]
     if num_tokens == 0 or num_entries == 0:
         return out
-    block_m, block_n, num_warps, num_stages = launch or extend_launch(meta.max_num_new)
+    block_d = max(triton.next_power_of_2(head_dim), 16)
+    block_m, block_n, num_warps, num_stages = launch or extend_launch(
+        meta.max_num_new, block_d, k_cache.element_size()
+    )
     grid = (triton.cdiv(meta.max_num_new, block_m), num_entries, num_heads)
     _extend_kernel[grid](
         q,
@@ -232,7 +236,7 @@ def attention_extend_triton(
         UPCAST=INTERPRETED,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
+        BLOCK_D=block_d,
         num_warps=num_warps,
         num_stages=num_stages,
     )

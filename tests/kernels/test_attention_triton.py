@@ -22,7 +22,11 @@ if not torch.cuda.is_available():
 from shunter.kernels.attention_decode import attention_decode_ref, plan_decode
 from shunter.kernels.attention_decode_triton import attention_decode_triton, choose_num_splits
 from shunter.kernels.attention_extend import attention_extend_ref, plan_extend
-from shunter.kernels.attention_extend_triton import attention_extend_triton, extend_meta
+from shunter.kernels.attention_extend_triton import (
+    attention_extend_triton,
+    extend_launch,
+    extend_meta,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -173,6 +177,14 @@ def test_extend_window_and_reusable_meta_agree_with_torch_reference():
     torch.testing.assert_close(full.cpu(), want, rtol=2e-5, atol=2e-5)
 
 
+def test_extend_launch_keeps_big_blocks_to_16_bit_heads_up_to_128():
+    assert extend_launch(4096, 128, 2) == (128, 128, 8, 2)
+    assert extend_launch(4096, 128, 4)[:2] == (64, 64)  # float32: 128x128 overflows smem
+    assert extend_launch(4096, 256, 2)[:2] == (64, 64)
+    assert extend_launch(40, 128, 2)[0] == 64
+    assert extend_launch(3, 128, 2)[0] == 16
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -182,6 +194,17 @@ def test_decode_llama8b_heads_long_context_on_gpu(page_size):
     want = _decode_expected(q, kc, vc, tables, 128**-0.5)
     out = attention_decode_triton(q, kc, vc, plan_decode(tables, device=DEVICE), 128**-0.5)
     torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)
+
+
+@gpu
+@pytest.mark.gpu
+def test_extend_float32_long_prompt_on_gpu():
+    """A float32 pool with 64-wide heads and a 300-token prompt (the launch that once
+    asked for more shared memory than the GPU has)."""
+    q, kc, vc, tables = _extend_case(8, 2, 64, [300], [300], 16, torch.float32, 7)
+    want = _extend_expected(q, kc, vc, [300], tables, 0.125)
+    out = attention_extend_triton(q, None, None, kc, vc, plan_extend([300], [300], tables), 0.125)
+    torch.testing.assert_close(out.double(), want, rtol=2e-5, atol=2e-5)
 
 
 @gpu

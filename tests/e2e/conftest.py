@@ -62,11 +62,12 @@ class Server:
         return "\n".join(lines[-num_lines:])
 
     def log_events(self) -> list[dict]:
-        """The server's JSON log lines (actor processes included)."""
+        """The server's JSON log lines (actor processes included). Progress bars share
+        the stream and may precede a line without a newline, so parsing starts at '{'."""
         out = []
         for line in self.log_path.read_text(errors="replace").splitlines():
             with contextlib.suppress(ValueError):
-                obj = json.loads(line)
+                obj = json.loads(line[line.find("{") :])
                 if isinstance(obj, dict):
                     out.append(obj)
         return out
@@ -108,7 +109,15 @@ class Server:
 def running_server(workdir: pathlib.Path, mode: str, *extra: str):
     server = Server(workdir, mode, *extra)
     try:
-        server.wait_ready()
+        try:
+            server.wait_ready()
+        except AssertionError:
+            # free_port() closes the port before the server binds it: another process
+            # may take it meanwhile. Only that is retried (once, on a new port).
+            if "address already in use" not in server.log_tail(400).lower():
+                raise
+            server = Server(workdir / "retry", mode, *extra)
+            server.wait_ready()
         yield server
     finally:
         server.stop()

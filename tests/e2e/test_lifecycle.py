@@ -120,18 +120,26 @@ def test_killed_actor_process_fails_requests_cleanly_and_reports_unhealthy(tmp_p
         t.join(60)
         assert not t.is_alive(), "the in-flight request hung after its executor died"
         last = result["payloads"][-1]
-        assert "error" in last, last
-        assert "executor.0" in json.dumps(last["error"]), last
+        assert "error" in last and "executor.0" in json.dumps(last["error"]), (
+            f"{last}\n{server.log_tail()}"
+        )
         status, body = server.get("/health")
         assert status == 503, body
         status, body = server.get("/health_generate")
         assert status == 503
+        t0 = time.monotonic()
+        new = _post_status(
+            server, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+        )
+        assert new == 503 and time.monotonic() - t0 < 10, new  # refused at once, not hung
         assert server.proc.poll() is None  # the server stays up and says what is wrong
         died = [
             e
             for e in server.log_events()
             if e.get("event") == "health" and e.get("state") == "unhealthy"
         ]
-        assert died and "executor.0 stopped: killed by SIGKILL" in died[0]["reason"]
+        assert died and "executor.0 stopped: killed by SIGKILL" in died[0]["reason"], (
+            server.log_tail()
+        )
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(60) == 0, server.log_tail()

@@ -123,6 +123,12 @@ def actor_specs(a: ServerArgs) -> list[ActorSpec]:
     ]
 
 
+def console_logs(a: ServerArgs) -> bool:
+    """Whether logs are console lines (else JSON lines, which a progress bar sharing the
+    stream would corrupt, so bars are only drawn for console logs)."""
+    return a.log_format == "console" or (a.log_format == "auto" and sys.stderr.isatty())
+
+
 def draw_seed(a: ServerArgs) -> int:
     """--random-seed, or one drawn now (the only randomness; it reaches actors as data)."""
     return a.random_seed if a.random_seed is not None else int.from_bytes(os.urandom(8)) >> 1
@@ -161,6 +167,7 @@ def build_config(spec: ActorSpec, a: ServerArgs, ready: Mapping[str, Ready], see
                 max_total_tokens=a.max_total_tokens, mem_fraction_static=a.mem_fraction_static,
                 context_length=a.context_length, seed=seed % 2**32,
                 max_num_rows=max(4096, a.max_running_requests or 0),
+                load_progress=console_logs(a),
             )  # fmt: skip
         case "tokenizer":
             from shunter.actors.tokenizer.config import TokenizerConfig

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import anyio
+import msgspec
 import pytest
 
 from shunter.actors.supervisor import EmbeddedActor, Supervisor, run_with_heartbeats
@@ -93,6 +94,9 @@ def test_configs_follow_the_server_args_and_the_executor_ready():
         1,
         EXECUTOR_ID,
     )
+    assert ex.load_progress is False  # JSON log lines (stderr is not a terminal here)
+    console = msgspec.structs.replace(a, log_format="console")
+    assert build_config(specs["executor"], console, {}, seed=5).load_progress is True
     tok = build_config(specs["tokenizer"], a, {}, seed=5)
     assert tok.model_path is None and tok.actor_id == "tokenizer" and tok.stream_interval == 4
     cache = build_config(specs["cache"], a, EXECUTOR_READY, seed=5)

@@ -4,7 +4,10 @@ Theory of operation: `plan_decode` turns the entries' slot tables into a padded
 [B, max_len] gather index and a [B, 1, 1, max_len] key mask once per step; every layer
 reuses that plan. `attention_decode` gathers each layer's K/V through the index and
 runs one batched SDPA (grouped-query heads share their KV head, no KV copy per query
-head). A GPU backend plans its own metadata from the same arguments.
+head). On CUDA the plan's index and lengths go to the device and no mask is built:
+`attention_decode` hands CUDA queries to the split-KV Triton kernel of
+kernels/attention_decode_triton.py (imported on first use), which cuts the padding
+by kv_lens and applies the plan's sliding window itself.
 
 Invariants: the query of entry b sits at position kv_lens[b] - 1 and its own K/V are
 already in the pool (stored before attention); padding indices point at slot 0 and
@@ -24,6 +27,7 @@ class DecodePlan:
     kv_indices: torch.Tensor  # [B, max_len] int64 slots, padded with 0
     mask: torch.Tensor | None  # [B, 1, 1, max_len] bool, True = attended; None = all
     kv_lens: torch.Tensor  # [B] int64
+    sliding_window: int | None = None  # the window the mask holds (the kernel reads this)
 
 
 def plan_decode(
@@ -31,8 +35,11 @@ def plan_decode(
     *,
     device: torch.device | str = "cpu",
     sliding_window: int | None = None,
+    build_mask: bool | None = None,
 ) -> DecodePlan:
-    """slot_tables: per entry [seq_len] int64 slots of tokens 0..seq_len-1."""
+    """slot_tables: per entry [seq_len] int64 slots of tokens 0..seq_len-1.
+    build_mask: whether the SDPA mask is built; by default only off CUDA (the Triton
+    kernel does not read it)."""
     if not slot_tables:
         raise ValueError("plan_decode needs at least one entry")
     lens = torch.tensor([t.shape[0] for t in slot_tables], dtype=torch.int64)
@@ -40,14 +47,17 @@ def plan_decode(
         raise ValueError("a decode entry needs at least its own token in the KV")
     idx = torch.nn.utils.rnn.pad_sequence(slot_tables, batch_first=True, padding_value=0)
     pos = torch.arange(idx.shape[1], dtype=torch.int64)
-    mask = pos[None, :] < lens[:, None]
+    mask = pos[None, :] < lens[:, None]  # [B, max_len]
     if sliding_window is not None:
         mask &= pos[None, :] > (lens[:, None] - 1 - sliding_window)
-    needed = sliding_window is not None or int(lens.min()) != idx.shape[1]
+    if build_mask is None:
+        build_mask = torch.device(device).type != "cuda"
+    needed = build_mask and (sliding_window is not None or int(lens.min()) != idx.shape[1])
     return DecodePlan(
         kv_indices=idx.to(device),
         mask=mask[:, None, None, :].to(device) if needed else None,
         kv_lens=lens.to(device),
+        sliding_window=sliding_window,
     )
 
 
@@ -83,6 +93,23 @@ def attention_decode(
     scale: float,
 ) -> torch.Tensor:
     """q: [B, H, D]; k_cache, v_cache: [num_slots, Hkv, D] -> [B, H, D]."""
+    if q.is_cuda:
+        from shunter.kernels.attention_decode_triton import attention_decode_triton
+
+        return attention_decode_triton(
+            q, k_cache, v_cache, plan, scale, sliding_window=plan.sliding_window
+        )
+    return attention_decode_torch(q, k_cache, v_cache, plan, scale)
+
+
+def attention_decode_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: DecodePlan,
+    scale: float,
+) -> torch.Tensor:
+    """The SDPA path of `attention_decode` (any device; needs the plan's mask)."""
     bsz, num_heads, head_dim = q.shape
     bsz_l = plan.kv_indices.shape
     flat = plan.kv_indices.view(-1)

@@ -6,14 +6,17 @@ seq_len[b] - num_new[b] .. seq_len[b] - 1; new token i sees keys 0..prefix+i. An
 entry without a cached prefix attends over its own new K/V directly (causal SDPA, no
 gather); one with a prefix gathers its slot table from the pool (the new tokens' K/V
 were stored first) and uses a [num_new, seq_len] mask built once in `plan_extend` and
-shared by all layers.
+shared by all layers. On CUDA no masks are built: the plan carries the device metadata
+of the Triton kernel of kernels/attention_extend_triton.py (`extend_meta`, built once
+per step, imported on first use), and `attention_extend` hands CUDA queries to that
+kernel, which applies the causal mask and the plan's sliding window itself.
 
 Invariants: q, k, v rows are the entries' new tokens concatenated in entry order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -26,12 +29,17 @@ class ExtendPlan:
     q_starts: list[int]  # first row of each entry in the concatenated tokens
     slot_tables: list[torch.Tensor]  # per entry [seq_len] int64
     masks: list[torch.Tensor | None]  # per entry [num_new, seq_len] bool, None = plain causal
+    sliding_window: int | None = None
+    device_meta: object | None = None  # ExtendMeta for the Triton kernel (CUDA plans)
 
 
-def _mask(num_new: int, seq_len: int, sliding_window: int | None) -> torch.Tensor:
+def _mask(
+    num_new: int, seq_len: int, sliding_window: int | None, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    # [num_new, seq_len] bool, True = attended
     prefix = seq_len - num_new
-    qpos = torch.arange(num_new, dtype=torch.int64)[:, None] + prefix
-    kpos = torch.arange(seq_len, dtype=torch.int64)[None, :]
+    qpos = torch.arange(num_new, dtype=torch.int64, device=device)[:, None] + prefix
+    kpos = torch.arange(seq_len, dtype=torch.int64, device=device)[None, :]
     mask = kpos <= qpos
     if sliding_window is not None:
         mask &= kpos > qpos - sliding_window
@@ -45,7 +53,13 @@ def plan_extend(
     *,
     device: torch.device | str = "cpu",
     sliding_window: int | None = None,
+    build_masks: bool | None = None,
 ) -> ExtendPlan:
+    """build_masks: whether the SDPA masks are built; by default only off CUDA, where
+    the plan carries the Triton kernel's metadata instead."""
+    on_cuda = torch.device(device).type == "cuda"
+    if build_masks is None:
+        build_masks = not on_cuda
     q_starts, masks, start = [], [], 0
     for n, s in zip(num_new_tokens, seq_lens, strict=True):
         if n < 1 or s < n:
@@ -53,8 +67,16 @@ def plan_extend(
         q_starts.append(start)
         start += n
         windowed = sliding_window is not None and s > sliding_window
-        masks.append(_mask(n, s, sliding_window).to(device) if (s > n or windowed) else None)
-    return ExtendPlan(list(num_new_tokens), list(seq_lens), q_starts, list(slot_tables), masks)
+        needed = build_masks and (s > n or windowed)
+        masks.append(_mask(n, s, sliding_window).to(device) if needed else None)
+    plan = ExtendPlan(
+        list(num_new_tokens), list(seq_lens), q_starts, list(slot_tables), masks, sliding_window
+    )
+    if on_cuda:
+        from shunter.kernels.attention_extend_triton import extend_meta
+
+        plan = replace(plan, device_meta=extend_meta(plan, torch.device(device)))
+    return plan
 
 
 def attention_extend_ref(
@@ -77,7 +99,7 @@ def attention_extend_ref(
         k = k.repeat_interleave(rep, 1)
         v = v.repeat_interleave(rep, 1)
         scores = torch.einsum("thd,lhd->htl", q[start : start + n].float(), k) * scale
-        allowed = _mask(n, s, sliding_window)
+        allowed = _mask(n, s, sliding_window, device=scores.device)
         scores = scores.masked_fill(~allowed[None], float("-inf"))
         out[start : start + n] = torch.einsum("htl,lhd->thd", scores.softmax(-1), v).to(q.dtype)
         start += n
@@ -95,6 +117,26 @@ def attention_extend(
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] (this step's new tokens, already in the pool);
     k_cache, v_cache: [num_slots, Hkv, D] -> [T, H, D]."""
+    if q.is_cuda:
+        from shunter.kernels.attention_extend_triton import attention_extend_triton
+
+        meta = plan.device_meta if plan.device_meta is not None else plan
+        return attention_extend_triton(
+            q, k, v, k_cache, v_cache, meta, scale, sliding_window=plan.sliding_window
+        )
+    return attention_extend_torch(q, k, v, k_cache, v_cache, plan, scale)
+
+
+def attention_extend_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: ExtendPlan,
+    scale: float,
+) -> torch.Tensor:
+    """The SDPA path of `attention_extend` (any device; needs the plan's masks)."""
     num_heads = q.shape[1]
     gqa = k.shape[1] != num_heads
     out = torch.empty_like(q)

@@ -1,4 +1,8 @@
-"""Write new tokens' K and V into the paged pool at their flat slots."""
+"""Write new tokens' K and V into the paged pool at their flat slots.
+
+CUDA pools go to the Triton kernel of kernels/kv_store_triton.py (imported on first use;
+it reads strided views of the fused qkv output and casts to the pool dtype); others
+take the torch path (`index_copy_`)."""
 
 from __future__ import annotations
 
@@ -26,6 +30,22 @@ def kv_store(
 ) -> None:
     """k_cache, v_cache: [num_slots, Hkv, D]; slots: [T] int64; k, v: [T, Hkv, D].
     Slots must be distinct (a slot written twice in one call is undefined)."""
+    if k_cache.is_cuda:
+        from shunter.kernels.kv_store_triton import kv_store_triton
+
+        kv_store_triton(k_cache, v_cache, slots, k, v)
+        return
+    kv_store_torch(k_cache, v_cache, slots, k, v)
+
+
+def kv_store_torch(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """The torch path of `kv_store` (any device)."""
     if k.shape != v.shape or k.shape[1:] != k_cache.shape[1:]:
         raise ValueError(
             f"kv_store shape mismatch: k {tuple(k.shape)}, cache {tuple(k_cache.shape)}"

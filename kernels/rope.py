@@ -7,6 +7,16 @@ cos/sin for positions [0, max_pos) as one [max_pos, D] float32 table (cos in the
 first half, sin in the second); `apply_rope` looks rows up by position. The table
 is computed exactly as HF computes its angles (float32 position * float32 inv_freq),
 so float32 results agree with HF bit for bit.
+
+Dispatch: `rope_gather` runs once per step and `rope_rotate` once per layer. On the
+CPU (the torch path, `*_torch`) the gather expands the table rows into cos and signed
+sin tensors and the rotation returns a new tensor. On CUDA the gather hands back
+(positions, cos_sin_cache) untouched and the rotation is the Triton kernel of
+kernels/rope_triton.py (imported on first use), which looks the rows up itself and
+rotates x IN PLACE (returning x), e.g. the q and k heads of the fused projection seen
+as one [T, H + Hkv, D] view. The CUDA gather does not check positions against the
+table (that would wait for the GPU); its callers keep them in range (ModelRunner
+validates them on the host).
 """
 
 from __future__ import annotations
@@ -84,6 +94,26 @@ def apply_rope_ref(
 def rope_gather(
     cos_sin_cache: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Once per step: the per-step rope operands for `rope_rotate`: (positions,
+    cos_sin_cache) on CUDA, else `rope_gather_torch`'s (cos, sin_signed)."""
+    if cos_sin_cache.is_cuda:
+        return positions, cos_sin_cache
+    return rope_gather_torch(cos_sin_cache, positions)
+
+
+def rope_rotate(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] (any row stride, last axis contiguous) by the operands (a, b)
+    of `rope_gather`: on CUDA in place (returns x), else a new tensor."""
+    if x.is_cuda:
+        from shunter.kernels.rope_triton import rope_rotate_triton
+
+        return rope_rotate_triton(x, a, b)
+    return rope_rotate_torch(x, a, b)
+
+
+def rope_gather_torch(
+    cos_sin_cache: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Once per step: (cos, sin_signed), each [T, 1, D] float32, for positions [T]
     int64: cos = [c, c], sin_signed = [-s, s], so that a rotation is
     x * cos + swap_halves(x) * sin_signed."""
@@ -98,13 +128,13 @@ def rope_gather(
     return cos, sin
 
 
-def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope_rotate_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, H, D] (any row stride, last axis contiguous) by the angles of
-    `rope_gather`; returns a new contiguous tensor of x's dtype. Each half is
+    `rope_gather_torch`; returns a new contiguous tensor of x's dtype. Each half is
     x1*c + x2*(-s) and x2*c + x1*s with separate roundings, which is bit for bit
     HF's x*cos + rotate_half(x)*sin."""
     if x.dtype != torch.float32:
-        return rope_rotate(x.float(), cos, sin).to(x.dtype)
+        return rope_rotate_torch(x.float(), cos, sin).to(x.dtype)
     out = x * cos
     out += torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
     return out
@@ -115,5 +145,9 @@ def apply_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, H, D] and k [T, Hkv, D] at positions [T] int64; returns new tensors.
     cos_sin_cache: [max_pos, D] float32 from `rope_cos_sin_cache` (on q's device)."""
-    cos, sin = rope_gather(cos_sin_cache, positions)
-    return rope_rotate(q, cos, sin), rope_rotate(k, cos, sin)
+    if q.is_cuda:  # the kernel rotates in place: rotate copies
+        return rope_rotate(q.clone(), positions, cos_sin_cache), rope_rotate(
+            k.clone(), positions, cos_sin_cache
+        )
+    cos, sin = rope_gather_torch(cos_sin_cache, positions)
+    return rope_rotate_torch(q, cos, sin), rope_rotate_torch(k, cos, sin)

@@ -6,6 +6,8 @@ qkv projection (optional bias), optional per-head q/k RMSNorm (Qwen3), rope, pag
 attention through the step's AttentionContext (which stores the new K/V in the pool
 first), output projection, fused add+RMSNorm, fused gate/up projection, SiLU*up,
 down projection. Logits are computed by the runner only for the rows it needs.
+The ops (kernels/*.py) dispatch on the tensors' device: CUDA runs their Triton kernels,
+where rope rotates the q/k heads in place; everything else the torch path.
 
 Parameter names follow HF checkpoints except the fused ones: q/k/v_proj land in
 `qkv_proj` and gate/up_proj in `gate_up_proj` (see `load_weights`).
@@ -60,7 +62,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        rope: tuple[torch.Tensor, torch.Tensor],  # (cos, sin) [T, 1, D/2] float32
+        rope: tuple[torch.Tensor, torch.Tensor],  # rope_gather's operands, shared by layers
         ctx: AttentionContext,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]

@@ -12,6 +12,9 @@ entries; sum(num_new_tokens) == num_tokens; slot_tables[b] has at least seq_lens
 slots, all < kv_pool.num_slots; positions of an entry's new tokens are
 seq_lens[b] - num_new_tokens[b] ... seq_lens[b] - 1. Violations raise ValueError
 before anything is written to the pool.
+
+The ForwardInput lives on the host and is validated there; on CUDA the step's plans
+are built once from it and the per-layer path reads no device value back to the host.
 """
 
 from __future__ import annotations
@@ -115,6 +118,11 @@ class ModelRunner:
             int(inp.input_ids.min()) < 0 or int(inp.input_ids.max()) >= self.config.vocab_size
         ):
             raise ValueError(f"input id out of range [0, {self.config.vocab_size})")
+        # the GPU rope reads its table at these positions unchecked: bound them here
+        if num_tokens and (
+            int(inp.positions.min()) < 0 or int(inp.positions.max()) >= max(inp.seq_lens)
+        ):
+            raise ValueError(f"position out of range [0, {max(inp.seq_lens)})")
         last = torch.tensor(inp.num_new_tokens).cumsum(0) - 1  # [E] row of each entry's last token
         if not torch.equal(inp.positions[last].cpu(), torch.tensor(inp.seq_lens) - 1):
             raise ValueError("an entry's last new token is not at position seq_len - 1")

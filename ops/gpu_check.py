@@ -10,8 +10,9 @@ tolerance, then it and the torch path of the same op are timed (median of CUDA-e
 timings, L2 flushed before each repetition); the bytes each kernel must move give
 its achieved bandwidth. (3) Dummy-weight Llama models (a small one, and the 8B shape
 with fewer layers) are built in transformers, copied into our LlamaForCausalLM, and
-run through ModelRunner over a paged KV pool on CUDA, once with the torch ops and
-once with the Triton kernels swapped into the model's modules. Decoding is teacher-
+run through ModelRunner over a paged KV pool on CUDA, once on the wired path (each
+op's CUDA dispatch: the Triton kernels) and once with the ops' torch paths swapped
+into the model's modules (what CUDA ran before the dispatch). Decoding is teacher-
 forced on HF's greedy tokens, so every step compares our argmax with HF's token at
 the same context; a disagreement is reported with HF's top-2 logit margin there.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import sys
@@ -36,17 +38,27 @@ from shunter.actors.executor.models import attention as attn_mod
 from shunter.actors.executor.models import llama as llama_mod
 from shunter.actors.executor.models.config import ModelConfig, from_hf_dict
 from shunter.actors.executor.runner import ForwardInput, ModelRunner
-from shunter.kernels.attention_decode import attention_decode, plan_decode
+from shunter.kernels.attention_decode import attention_decode_torch, plan_decode
 from shunter.kernels.attention_decode_triton import attention_decode_triton
-from shunter.kernels.attention_extend import attention_extend, plan_extend
+from shunter.kernels.attention_extend import attention_extend_torch, plan_extend
 from shunter.kernels.attention_extend_triton import attention_extend_triton, extend_meta
-from shunter.kernels.kv_store import kv_store, kv_store_ref
+from shunter.kernels.kv_store import kv_store_ref, kv_store_torch
 from shunter.kernels.kv_store_triton import kv_store_triton
-from shunter.kernels.rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_ref, rmsnorm, rmsnorm_ref
+from shunter.kernels.rmsnorm import (
+    fused_add_rmsnorm_ref,
+    fused_add_rmsnorm_torch,
+    rmsnorm_ref,
+    rmsnorm_torch,
+)
 from shunter.kernels.rmsnorm_triton import fused_add_rmsnorm_triton, rmsnorm_triton
-from shunter.kernels.rope import apply_rope, apply_rope_ref, rope_cos_sin_cache
-from shunter.kernels.rope_triton import apply_rope_triton, rope_rotate_triton
-from shunter.kernels.silu_mul import silu_mul, silu_mul_ref
+from shunter.kernels.rope import (
+    apply_rope_ref,
+    rope_cos_sin_cache,
+    rope_gather_torch,
+    rope_rotate_torch,
+)
+from shunter.kernels.rope_triton import apply_rope_triton
+from shunter.kernels.silu_mul import silu_mul_ref, silu_mul_torch
 from shunter.kernels.silu_mul_triton import silu_mul_triton
 
 DEV = torch.device("cuda")
@@ -130,18 +142,18 @@ def _check_norm_act(copy_gbs: float, t: int = 16384) -> list[dict]:
     err = rel_err(rmsnorm_triton(x, w, 1e-5), rmsnorm_ref(x, w, 1e-5))
     rows = [_row("rmsnorm", f"{t}x{HIDDEN}", err, TOL_ELEMENTWISE, 2 * x.numel() * 2,
                  bench_ms(lambda: rmsnorm_triton(x, w, 1e-5)),
-                 bench_ms(lambda: rmsnorm(x, w, 1e-5)), copy_gbs)]  # fmt: skip
+                 bench_ms(lambda: rmsnorm_torch(x, w, 1e-5)), copy_gbs)]  # fmt: skip
     xs = x.clone()
     y, s = fused_add_rmsnorm_triton(xs, res, w, 1e-5)
     wy, ws = fused_add_rmsnorm_ref(x.clone(), res, w, 1e-5)
     err = max(rel_err(y, wy), rel_err(s, ws))
     rows.append(_row("fused_add_rmsnorm", f"{t}x{HIDDEN}", err, TOL_ELEMENTWISE,
                      4 * x.numel() * 2, bench_ms(lambda: fused_add_rmsnorm_triton(xs, res, w, 1e-5)),
-                     bench_ms(lambda: fused_add_rmsnorm(xs, res, w, 1e-5)), copy_gbs))  # fmt: skip
+                     bench_ms(lambda: fused_add_rmsnorm_torch(xs, res, w, 1e-5)), copy_gbs))  # fmt: skip
     gu = _rand(t // 4, 2 * INTER)
     err = rel_err(silu_mul_triton(gu), silu_mul_ref(gu))
     rows.append(_row("silu_mul", f"{t // 4}x{2 * INTER}", err, TOL_ELEMENTWISE, gu.numel() * 3,
-                     bench_ms(lambda: silu_mul_triton(gu)), bench_ms(lambda: silu_mul(gu)),
+                     bench_ms(lambda: silu_mul_triton(gu)), bench_ms(lambda: silu_mul_torch(gu)),
                      copy_gbs))  # fmt: skip
     return rows
 
@@ -161,7 +173,7 @@ def _check_rope_kv(copy_gbs: float, t: int = 16384) -> list[dict]:
     rows = [_row("rope (q+k, in place)", f"{t}x({NUM_HEADS}+{NUM_KV})x{HEAD_DIM}", err,
                  TOL_ELEMENTWISE, 2 * (q.numel() + k.numel()) * 2,
                  bench_ms(lambda: apply_rope_triton(q, k, pos, cs)),
-                 bench_ms(lambda: apply_rope(q, k, pos, cs)), copy_gbs)]  # fmt: skip
+                 bench_ms(lambda: _rope_torch(q, k, pos, cs)), copy_gbs)]  # fmt: skip
     kcache = torch.zeros(2 * t, NUM_KV, HEAD_DIM, dtype=BF16, device=DEV)
     vcache = torch.zeros_like(kcache)
     slots = torch.randperm(2 * t, device=DEV)[:t]
@@ -171,7 +183,7 @@ def _check_rope_kv(copy_gbs: float, t: int = 16384) -> list[dict]:
     err = 0.0 if torch.equal(kcache, wkc) and torch.equal(vcache, wvc) else math.inf
     rows.append(_row("kv_store", f"{t}x{NUM_KV}x{HEAD_DIM}", err, 0.0, 4 * k.numel() * 2,
                      bench_ms(lambda: kv_store_triton(kcache, vcache, slots, k, v)),
-                     bench_ms(lambda: kv_store(kcache, vcache, slots, k, v)), copy_gbs))  # fmt: skip
+                     bench_ms(lambda: kv_store_torch(kcache, vcache, slots, k, v)), copy_gbs))  # fmt: skip
     return rows
 
 
@@ -182,7 +194,7 @@ def _check_decode(
     tables, num_slots = _paged_tables([length] * bsz, page)
     kc, vc = _rand(num_slots, NUM_KV, HEAD_DIM), _rand(num_slots, NUM_KV, HEAD_DIM)
     q = _rand(bsz, NUM_HEADS, HEAD_DIM)
-    plan = plan_decode(tables, device=DEV)
+    plan = plan_decode(tables, device=DEV, build_mask=True)  # the mask for the torch path
     out = attention_decode_triton(q, kc, vc, plan, scale, num_splits=num_splits)
     last = torch.tensor([length - 1], device=DEV)
     err = max(rel_err(out[b : b + 1], _sdpa64(q[b : b + 1], kc, vc, tables[b], last, scale))
@@ -190,7 +202,9 @@ def _check_decode(
     nbytes = bsz * length * (2 * NUM_KV * HEAD_DIM * 2 + 8)  # K, V and the slot index
     name = f"decode page{page}" + (f" splits={num_splits}" if num_splits else "")
     t_torch = (
-        bench_ms(lambda: attention_decode(q, kc, vc, plan, scale), 10) if not num_splits else 0
+        bench_ms(lambda: attention_decode_torch(q, kc, vc, plan, scale), 10)
+        if not num_splits
+        else 0
     )
     return _row(name, f"B{bsz} L{length}", err, TOL_ATTENTION, nbytes,
                 bench_ms(lambda: attention_decode_triton(q, kc, vc, plan, scale,
@@ -205,7 +219,7 @@ def _check_extend(
     tables, num_slots = _paged_tables(seq_lens, 16)
     kc, vc = _rand(num_slots, NUM_KV, HEAD_DIM), _rand(num_slots, NUM_KV, HEAD_DIM)
     q = _rand(sum(num_new), NUM_HEADS, HEAD_DIM)
-    plan = plan_extend(num_new, seq_lens, tables, device=DEV)
+    plan = plan_extend(num_new, seq_lens, tables, device=DEV, build_masks=True)
     meta = extend_meta(plan, DEV)
     new_slots = torch.cat([t[s - n :] for t, n, s in zip(tables, num_new, seq_lens, strict=True)])
     kn, vn = kc[new_slots], vc[new_slots]  # the new tokens' K/V, for the torch path
@@ -217,7 +231,9 @@ def _check_extend(
     nbytes = q.numel() * 4 + sum(seq_lens) * 2 * NUM_KV * HEAD_DIM * 2
     name = "extend page16" + (" M{}/N{}/w{}/s{}".format(*launch) if launch else "")
     t_torch = (
-        bench_ms(lambda: attention_extend(q, kn, vn, kc, vc, plan, scale), 10) if not launch else 0
+        bench_ms(lambda: attention_extend_torch(q, kn, vn, kc, vc, plan, scale), 10)
+        if not launch
+        else 0
     )
     return _row(name, f"{len(num_new)}x new{n0} seq{s0}", err, TOL_ATTENTION, nbytes,
                 bench_ms(lambda: attention_extend_triton(q, None, None, kc, vc, meta, scale,
@@ -245,30 +261,36 @@ def launch_sweep(copy_gbs: float) -> list[dict]:
     return rows
 
 
+def _rope_torch(q, k, pos, cs):  # the torch rope of the model's CPU path, on CUDA tensors
+    cos, sin = rope_gather_torch(cs, pos)
+    return rope_rotate_torch(q, cos, sin), rope_rotate_torch(k, cos, sin)
+
+
 @contextlib.contextmanager
-def triton_path() -> Iterator[None]:
-    """Swap the Triton kernels into the model's modules (the wiring a GPU dispatch
-    would do); restores the torch ops after."""
-    saved_l = {n: getattr(llama_mod, n) for n in ("rmsnorm", "fused_add_rmsnorm", "silu_mul",
-                                                  "rope_gather", "rope_rotate")}  # fmt: skip
-    saved_a = {
-        n: getattr(attn_mod, n) for n in ("kv_store", "attention_decode", "attention_extend")
-    }
-    llama_mod.rmsnorm = rmsnorm_triton
-    llama_mod.fused_add_rmsnorm = fused_add_rmsnorm_triton
-    llama_mod.silu_mul = silu_mul_triton
-    llama_mod.rope_gather = lambda cos_sin, positions: (positions, cos_sin)
-    llama_mod.rope_rotate = rope_rotate_triton
-    attn_mod.kv_store = kv_store_triton
-    attn_mod.attention_decode = attention_decode_triton
-    attn_mod.attention_extend = attention_extend_triton
+def torch_path() -> Iterator[None]:
+    """Swap the ops' torch paths into the model's modules (what CUDA ran before the
+    dispatch to the Triton kernels); the plans then build their SDPA masks. Restores
+    the dispatching ops after."""
+    swaps = [
+        (llama_mod, "rmsnorm", rmsnorm_torch),
+        (llama_mod, "fused_add_rmsnorm", fused_add_rmsnorm_torch),
+        (llama_mod, "silu_mul", silu_mul_torch),
+        (llama_mod, "rope_gather", rope_gather_torch),
+        (llama_mod, "rope_rotate", rope_rotate_torch),
+        (attn_mod, "kv_store", kv_store_torch),
+        (attn_mod, "attention_decode", attention_decode_torch),
+        (attn_mod, "attention_extend", attention_extend_torch),
+        (attn_mod, "plan_decode", functools.partial(plan_decode, build_mask=True)),
+        (attn_mod, "plan_extend", functools.partial(plan_extend, build_masks=True)),
+    ]
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in swaps]
+    for mod, name, fn in swaps:
+        setattr(mod, name, fn)
     try:
         yield
     finally:
-        for n, f in saved_l.items():
-            setattr(llama_mod, n, f)
-        for n, f in saved_a.items():
-            setattr(attn_mod, n, f)
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
 
 
 def build_empty_model(config: ModelConfig, dtype: torch.dtype) -> llama_mod.LlamaForCausalLM:
@@ -389,11 +411,11 @@ def model_checks(quick: bool, num_steps: int) -> list[dict]:
         ]
         hf_tokens, hf_logits = hf_greedy(hf, prompts, num_steps)
         del hf
-        for path in ("torch ops", "triton"):
+        for path in ("torch ops", "wired"):
             timed = kind == "8b" and dtype == BF16  # + one decode step of 32 x 2048 context
             pool = KVPool(config, 4200 if timed else 256, page_size=16, dtype=dtype, device=DEV)
             runner = ModelRunner(model, pool)
-            ctx = triton_path() if path == "triton" else contextlib.nullcontext()
+            ctx = torch_path() if path == "torch ops" else contextlib.nullcontext()
             with ctx:
                 ours = ours_teacher_forced(runner, prompts, hf_tokens, 16)
                 step_ms = None

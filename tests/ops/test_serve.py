@@ -84,10 +84,11 @@ def test_configs_follow_the_server_args_and_the_executor_ready():
         "--disable-radix-cache", "--schedule-policy", "lpm", "--max-prefill-num-token", "777",
         "--max-running-requests", "12", "--api-key", "sekret", "--port", "31234",
         "--served-model-name", "smol", "--enable-metrics", "--chunked-prefill-size", "128",
-        "--stream-interval", "4", "--disable-overlap-schedule",
+        "--stream-interval", "4", "--disable-overlap-schedule", "--weight-format", "int4",
     ])  # fmt: skip
     specs = {s.kind: s for s in actor_specs(a)}
     ex = build_config(specs["executor"], a, {}, seed=5)
+    assert ex.weight_format == "int4"
     assert (ex.max_total_tokens, ex.dtype, ex.page_size, ex.actor_id) == (
         4096,
         "float32",

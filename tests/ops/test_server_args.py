@@ -23,6 +23,7 @@ from shunter.ops.server_args import (
 # A value for each option that differs from its default (flags are just present).
 SAMPLE: dict[str, str | None] = {
     "model_path": "smollm2", "tokenizer_path": "/tmp", "load_format": "gguf", "dtype": "float32",
+    "weight_format": "int4",
     "device": "cpu", "context_length": "1024", "served_model_name": "m", "chat_template": "{{x}}",
     "random_seed": "7", "host": "0.0.0.0", "port": "31000", "api_key": "k", "admin_api_key": "a",
     "enable_metrics": None, "schedule_policy": "lpm", "max_running_requests": "8",
@@ -186,7 +187,8 @@ def test_validation_messages(argv, message):
 
 def test_choices_refused_by_the_parser():
     for flag, bad in [("--schedule-policy", "sjf"), ("--dtype", "fp8"), ("--device", "tpu"),
-                      ("--load-format", "pt"), ("--log-level", "loud")]:  # fmt: skip
+                      ("--load-format", "pt"), ("--log-level", "loud"),
+                      ("--weight-format", "fp4")]:  # fmt: skip
         err = io.StringIO()
         with pytest.raises(SystemExit) as info, contextlib.redirect_stderr(err):
             parse_server_args([flag, bad])

@@ -16,11 +16,14 @@ Theory of operation
 
     Deployments:
     - embedded (default): every actor is a task of this process's event loop, on the
-      in-process bus.
+      in-process bus. A tap copies every frame, unchanged (envelopes included), to a
+      ZMQ broker in a thread, so `busctl tail` can watch the server live.
     - --multi-process: this process runs the supervisor and the ZMQ broker (a thread),
-      and each actor runs in its own process (ops/launch.py), over ipc:// sockets in a
-      private runtime directory removed on exit. Children get their own session, so a
-      terminal's Ctrl-C reaches only the supervisor, which drains and then stops them.
+      and each actor runs in its own process (ops/launch.py), over ipc:// sockets.
+      Children get their own session, so a terminal's Ctrl-C reaches only the
+      supervisor, which drains and then stops them.
+    Either way the broker's sockets live in --bus-dir (default <tmp>/shunter-<uid>/<port>)
+    and are removed on exit; `busctl tail --runtime-dir DIR` attaches there.
 
     `--record-events DIR` starts the bus recorder before any actor, so the log holds
     every message from the first Ready on.
@@ -29,8 +32,8 @@ Theory of operation
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Mapping
@@ -244,13 +247,74 @@ async def serve(
     return await _serve_embedded(a, seed, handle_signals, health)
 
 
+def bus_dir(a: ServerArgs) -> str:
+    """Where this server's broker sockets go (see --bus-dir)."""
+    if a.bus_dir is not None:
+        return os.path.expanduser(a.bus_dir)
+    return os.path.join(tempfile.gettempdir(), f"shunter-{os.getuid()}", str(a.port))
+
+
+def _start_broker(a: ServerArgs):
+    """Start the broker thread in bus_dir(a); returns (broker, endpoints, cleanup) or
+    None when it cannot start (logged)."""
+    from shunter.bus.broker import Broker
+    from shunter.bus.zmq_transport import default_endpoints
+
+    runtime_dir = bus_dir(a)
+    os.makedirs(runtime_dir, mode=0o700, exist_ok=True)
+    endpoints = default_endpoints(runtime_dir)
+    broker = Broker(endpoints.frontend, endpoints.backend)
+    try:
+        broker.start()
+    except Exception as e:  # zmq errors included; ops/ does not import zmq itself
+        log.error("the bus broker could not start", error=f"{type(e).__name__}: {e}",
+                  frontend=endpoints.frontend)  # fmt: skip
+        return None
+
+    def cleanup() -> None:
+        broker.stop()
+        for ep in endpoints:
+            path = ep.removeprefix("ipc://")
+            if os.path.exists(path):
+                os.unlink(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(runtime_dir)
+
+    log.info("bus broker started", bus_dir=runtime_dir,
+             watch=f"busctl tail --runtime-dir {runtime_dir}")  # fmt: skip
+    return broker, endpoints, cleanup
+
+
+async def _tap(hub, endpoints, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+    """Copy every frame of the in-process hub to the broker, as it is."""
+    from shunter.bus.zmq_transport import ZmqBus
+
+    inside = hub.connect("bus-tap")
+    outside = ZmqBus("bus-tap", endpoints)
+    try:
+        async with inside.subscribe_raw("") as sub:
+            task_status.started()
+            while True:
+                for frames in await sub.receive_many(256):
+                    await outside.publish_frames(frames)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await outside.aclose()
+            await inside.aclose()
+
+
 async def _serve_embedded(a: ServerArgs, seed: int, handle_signals: bool, health) -> int:
     from shunter.bus.transport import InProcHub
     from shunter.ops.launch import resolve
 
     hub = InProcHub()
+    started = _start_broker(a)
+    if started is None:
+        log.warning("serving without a bus tap: busctl tail cannot attach to this server")
 
     async with anyio.create_task_group() as actors_tg:
+        if started is not None:
+            await actors_tg.start(_tap, hub, started[1])
 
         async def launch(spec: ActorSpec, ready: Mapping[str, Ready]) -> EmbeddedActor:
             config = build_config(spec, a, ready, seed)
@@ -270,27 +334,23 @@ async def _serve_embedded(a: ServerArgs, seed: int, handle_signals: bool, health
             actors_tg.start_soon(handle.run)
             return handle
 
-        code = await _supervise(a, hub.connect, launch, handle_signals, health)
-        actors_tg.cancel_scope.cancel()
+        try:
+            code = await _supervise(a, hub.connect, launch, handle_signals, health)
+        finally:
+            actors_tg.cancel_scope.cancel()
+    if started is not None:
+        started[2]()
     return code
 
 
 async def _serve_multi_process(a: ServerArgs, seed: int, handle_signals: bool, health) -> int:
-    from shunter.bus.broker import Broker
-    from shunter.bus.zmq_transport import ZmqBus, default_endpoints
+    from shunter.bus.zmq_transport import ZmqBus
     from shunter.ops.launch import spawn_actor
 
-    runtime_dir = tempfile.mkdtemp(prefix="shunter-")
-    endpoints = default_endpoints(runtime_dir)
-    broker = Broker(endpoints.frontend, endpoints.backend)
-    try:
-        broker.start()
-    except Exception as e:  # zmq errors included; ops/ does not import zmq itself
-        log.error("the bus broker could not start", error=f"{type(e).__name__}: {e}",
-                  frontend=endpoints.frontend)  # fmt: skip
-        shutil.rmtree(runtime_dir, ignore_errors=True)
+    started = _start_broker(a)
+    if started is None:
         return 1
-    log.info("broker started", frontend=endpoints.frontend, backend=endpoints.backend)
+    _, endpoints, cleanup = started
 
     async def launch(spec: ActorSpec, ready: Mapping[str, Ready]):
         config = build_config(spec, a, ready, seed)
@@ -305,8 +365,7 @@ async def _serve_multi_process(a: ServerArgs, seed: int, handle_signals: bool, h
             a, lambda pid: ZmqBus(pid, endpoints), launch, handle_signals, health
         )
     finally:
-        broker.stop()
-        shutil.rmtree(runtime_dir, ignore_errors=True)
+        cleanup()
 
 
 async def _supervise(a: ServerArgs, connect, launch, handle_signals: bool, health) -> int:

@@ -97,6 +97,9 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """auto: console lines on a terminal, JSON lines otherwise."""
     record_events: str | None = None
     """A directory: the bus recorder writes every message there."""
+    bus_dir: str | None = None
+    """Directory of the bus's ipc:// sockets, where `busctl tail --runtime-dir` attaches;
+    None: <tmp>/shunter-<uid>/<port>."""
 
     # deployment
     multi_process: bool = False
@@ -168,6 +171,8 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("log_format", ("--log-format",), "logging", "console lines or JSON lines"),
     ("record_events", ("--record-events",), "logging",
      "record every bus message into this directory (replay with busctl)"),
+    ("bus_dir", ("--bus-dir",), "logging",
+     "directory of the bus sockets busctl attaches to (default: <tmp>/shunter-<uid>/<port>)"),
     ("multi_process", ("--multi-process",), "deployment",
      "one process per actor over a ZMQ broker (default: all actors in one event loop)"),
     ("shutdown_timeout", ("--shutdown-timeout",), "deployment",
@@ -301,7 +306,7 @@ def _default_text(field: str) -> str:
 
 _METAVARS = {
     "model_path": "PATH", "tokenizer_path": "PATH", "chat_template": "TEMPLATE",
-    "record_events": "DIR", "host": "HOST", "api_key": "KEY", "admin_api_key": "KEY",
+    "record_events": "DIR", "bus_dir": "DIR", "host": "HOST", "api_key": "KEY", "admin_api_key": "KEY",
     "served_model_name": "NAME", "mem_fraction_static": "FRACTION",
 }  # fmt: skip
 

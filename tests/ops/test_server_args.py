@@ -31,7 +31,7 @@ SAMPLE: dict[str, str | None] = {
     "disable_overlap_schedule": None, "stream_interval": "4", "max_total_tokens": "4096",
     "mem_fraction_static": "0.5", "page_size": "16", "cuda_graph_max_bs": "32",
     "disable_cuda_graph": None, "attention_backend": "torch", "tp_size": "1", "dp_size": "1",
-    "pp_size": "1", "log_level": "debug", "log_format": "json", "record_events": "/tmp/ev",
+    "pp_size": "1", "log_level": "debug", "log_format": "json", "record_events": "/tmp/ev", "bus_dir": "/tmp/bus",
     "multi_process": None, "shutdown_timeout": "5", "watchdog_timeout": "60",
     "heartbeat_interval": "0.5", "start_timeout": "30",
 }  # fmt: skip

@@ -69,6 +69,14 @@ async def _error_event(resp: web.StreamResponse, e: APIError) -> None:
     await sse_done(resp)
 
 
+async def _end_stream(resp: web.StreamResponse, req, head: dict, accs) -> web.StreamResponse:
+    """The usage chunk (when asked for), then [DONE]."""
+    if req.stream_options and req.stream_options.include_usage:
+        await sse_send(resp, {**head, "choices": [], "usage": usage(accs, req.n)})
+    await sse_done(resp)
+    return resp
+
+
 # -- /v1/completions ------------------------------------------------------------------------
 
 
@@ -187,10 +195,7 @@ async def _stream_completions(
     except APIError as e:
         await _error_event(resp, e)
         return resp
-    if req.stream_options and req.stream_options.include_usage:
-        await sse_send(resp, {**head, "choices": [], "usage": usage(accs, req.n)})
-    await sse_done(resp)
-    return resp
+    return await _end_stream(resp, req, head, accs)
 
 
 # -- /v1/chat/completions -------------------------------------------------------------------
@@ -295,10 +300,7 @@ async def _stream_chat(request, ctx: Ctx, req, gens, head, num_top) -> web.Strea
     except APIError as e:
         await _error_event(resp, e)
         return resp
-    if req.stream_options and req.stream_options.include_usage:
-        await sse_send(resp, {**head, "choices": [], "usage": usage(accs, req.n)})
-    await sse_done(resp)
-    return resp
+    return await _end_stream(resp, req, head, accs)
 
 
 # -- models, tokenize, detokenize -----------------------------------------------------------

@@ -104,6 +104,7 @@ class CoreSpec:
 CORE_MODULES: dict[str, str] = {
     "scheduler": "shunter.actors.scheduler.actor",
     "cache": "shunter.actors.cache_manager.actor",
+    "tokenizer": "shunter.actors.tokenizer.actor",
 }
 
 _REGISTRY: dict[str, CoreSpec] = {}

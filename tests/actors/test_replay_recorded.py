@@ -33,7 +33,7 @@ def test_the_recording_is_a_multi_request_run_with_prefix_hits():
     assert any(len(b.opens) > 1 for b in msgs if isinstance(b, ForwardBatch))
 
 
-@pytest.mark.parametrize("actor", ["scheduler", "cache"])
+@pytest.mark.parametrize("actor", ["scheduler", "cache", "tokenizer"])
 def test_recorded_run_replays_identically(actor):
     r = busctl_replay(LOG, actor)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -64,6 +64,20 @@ def pack_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, sz
 
 
+def prepacked_bf16_supported() -> bool:
+    """Whether oneDNN can hold a bf16 weight in its own blocked layout. F.linear reorders
+    the weight into that layout on every call; packing once at load saves the reorder
+    (same result, bit for bit)."""
+    try:
+        w = torch.ones(16, 32, dtype=torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        x = torch.ones(2, 32, dtype=torch.bfloat16)
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return out.shape == (2, 16) and float(out[0, 0]) == 32.0
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+
+
 def int8_supported() -> bool:
     try:
         x = torch.ones(1, 32, dtype=torch.bfloat16)
@@ -83,6 +97,12 @@ class PackedLinear(nn.Module):
         w = weight.detach()
         self.weight_bf16 = w.to(torch.bfloat16).contiguous()  # [out, in]
         self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
+        # the same weight in oneDNN's blocked layout (opaque), for the bf16 GEMM on a CPU
+        self.weight_bf16_packed = None
+        if w.device.type == "cpu" and prepacked_bf16_supported():
+            self.weight_bf16_packed = torch.ops.mkldnn._reorder_linear_weight(
+                self.weight_bf16, None
+            )
         self.weight_int8 = self.scales = None
         self.weight_int4 = self.scale_zero = None
         if fmt == "int4":
@@ -112,6 +132,10 @@ class PackedLinear(nn.Module):
             out = torch.ops.aten._weight_int8pack_mm(xb, self.weight_int8, self.scales)
             if self.bias is not None:
                 out = out + self.bias
+        elif self.weight_bf16_packed is not None:
+            out = torch.ops.mkldnn._linear_pointwise(
+                xb, self.weight_bf16_packed, self.bias, "none", [], ""
+            )
         else:
             out = F.linear(xb, self.weight_bf16, self.bias)
         return out.to(x.dtype)

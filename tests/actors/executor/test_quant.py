@@ -41,6 +41,20 @@ def test_packed_linear_computes_rounded_weights(rows, bias):
     assert (out.double() - want).abs().max() < 0.05 * want.abs().max()
 
 
+@pytest.mark.skipif(not quant.prepacked_bf16_supported(), reason="no oneDNN bf16 packing")
+@pytest.mark.parametrize("rows", [1, 13, 32, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_prepacked_bf16_weights_give_exactly_the_plain_gemm(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 64, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    x = torch.randn(rows, 64, generator=g)
+    layer = PackedLinear(w, b, "bf16")
+    assert layer.weight_bf16_packed is not None
+    want = F.linear(x.bfloat16(), w.bfloat16(), None if b is None else b.bfloat16()).float()
+    assert torch.equal(layer(x), want)
+
+
 @pytest.mark.skipif(not quant.int4_supported(), reason="no int4 weight kernel in this torch")
 @pytest.mark.parametrize("rows", [1, 4, 9, 13])
 def test_int4_packs_groups_of_32_and_recovers_q4_1_weights(rows):

@@ -10,7 +10,7 @@ HF's in the same run:
   2. decode at each batch size B of --batch-sizes: B prompts of --decode-prompt-len
      tokens are prefilled, then --decode-steps steps are timed; tok/s is the total,
      B * steps / (time between the first and the last decode step's token), as in
-     /work/shared/reference/cpu_anchors.md. HF's loop is a plain greedy loop over its
+     the CPU anchor measurements. HF's loop is a plain greedy loop over its
      KV cache (model(next_ids, cache=...)), which is generate() without its
      per-step overhead, so the ratio does not flatter us. The engines alternate step
      by step (prefill: run by run), so load from other work on the machine hits both.

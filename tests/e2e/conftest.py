@@ -170,6 +170,7 @@ def start_server():
 
 @pytest.fixture(scope="session")
 def reference():
-    """HF transformers' greedy outputs on the default model (a copy of the shared
-    reference, kept beside the tests so they do not depend on files outside the repo)."""
-    return json.loads((pathlib.Path(__file__).parent / "smollm2_greedy_reference.json").read_text())
+    """HF transformers' greedy outputs on the default model (tests/data/)."""
+    return json.loads(
+        (pathlib.Path(__file__).parents[1] / "data" / "smollm2_greedy_reference.json").read_text()
+    )

@@ -9,7 +9,7 @@ import pathlib
 import openai
 import pytest
 
-REFERENCE = pathlib.Path("/work/shared/reference/smollm2_greedy_reference.json")
+REFERENCE = pathlib.Path(__file__).resolve().parents[1] / "data" / "smollm2_greedy_reference.json"
 
 
 @pytest.fixture(scope="module")

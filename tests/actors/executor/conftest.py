@@ -14,11 +14,7 @@ import torch
 # parallel regions whose barriers stall on a descheduled sibling thread.
 torch.set_num_threads(1)
 
-REFERENCE = pathlib.Path("/work/shared/reference/smollm2_greedy_reference.json")
-if not REFERENCE.is_file():
-    REFERENCE = (
-        pathlib.Path(__file__).resolve().parents[2] / "data" / "smollm2_greedy_reference.json"
-    )
+REFERENCE = pathlib.Path(__file__).resolve().parents[2] / "data" / "smollm2_greedy_reference.json"
 
 _SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

@@ -15,7 +15,9 @@ from shunter.actors.executor.runner import ModelRunner
 from shunter.bus.messages import LAST_SAMPLED, ForwardBatch, RowOpen, SamplingParams, StepResult
 
 REFERENCE = json.loads(
-    pathlib.Path("/work/shared/reference/smollm2_greedy_reference.json").read_text()
+    (
+        pathlib.Path(__file__).resolve().parents[2] / "data" / "smollm2_greedy_reference.json"
+    ).read_text()
 )["prompts"]
 PROMPTS = {p["name"]: p for p in REFERENCE}
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=32)

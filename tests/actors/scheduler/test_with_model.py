@@ -14,7 +14,7 @@ from shunter.actors.scheduler.config import SchedulerConfig
 from shunter.actors.scheduler.sim import Cluster
 from shunter.bus.messages import SamplingParams, Tokenized
 
-REFERENCE = pathlib.Path("/work/shared/reference/smollm2_greedy_reference.json")
+REFERENCE = pathlib.Path(__file__).resolve().parents[2] / "data" / "smollm2_greedy_reference.json"
 
 pytestmark = pytest.mark.skipif(not REFERENCE.is_file(), reason="no greedy reference")
 

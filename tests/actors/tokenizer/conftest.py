@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-REFERENCE = pathlib.Path("/work/shared/reference/smollm2_greedy_reference.json")
+REFERENCE = pathlib.Path(__file__).resolve().parents[2] / "data" / "smollm2_greedy_reference.json"
 
 
 @pytest.fixture(scope="session")

@@ -218,6 +218,7 @@ class ExecutorCore:
             seq_lens=seq_lens,
             slot_tables=[slots[e.row_idx, :sl] for e, sl in zip(entries, seq_lens)],
             logits_indices=torch.tensor(logits_idx, dtype=torch.int64),
+            checked=True,  # plan_batch checked the batch against the row mirror
         )  # fmt: skip
 
     # ---- 4. commit ------------------------------------------------------------------

@@ -38,6 +38,10 @@ class ForwardInput:
     seq_lens: list[int]  # per entry: KV length after this step (prefix + new)
     slot_tables: list[torch.Tensor]  # per entry [>= seq_len] int64 flat slots of tokens 0..
     logits_indices: torch.Tensor  # [num_logits] int64 rows of the token axis to return
+    # True when the builder already guarantees `ModelRunner.validate`'s invariants (the
+    # executor core checks each ForwardBatch in full before staging it), so the decode
+    # hot path does not check them twice
+    checked: bool = False
 
     @classmethod
     def build(
@@ -133,7 +137,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inp: ForwardInput) -> torch.Tensor:
         """[num_logits, vocab] float32 logits; the new tokens' K/V are in the pool after."""
-        self.validate(inp)
+        if not inp.checked:
+            self.validate(inp)
         dev = self.device
         ctx = build_attention_context(
             self.kv_pool.k_buffers,

@@ -38,6 +38,18 @@ def kv_store(
     kv_store_torch(k_cache, v_cache, slots, k, v)
 
 
+def check_kv_store_shapes(
+    k_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """ValueError unless k, v are [T, Hkv, D] with the cache's trailing shape and T slots."""
+    if k.shape != v.shape or k.shape[1:] != k_cache.shape[1:]:
+        raise ValueError(
+            f"kv_store shape mismatch: k {tuple(k.shape)}, cache {tuple(k_cache.shape)}"
+        )
+    if slots.shape[0] != k.shape[0]:
+        raise ValueError(f"{slots.shape[0]} slots for {k.shape[0]} tokens")
+
+
 def kv_store_torch(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -46,11 +58,6 @@ def kv_store_torch(
     v: torch.Tensor,
 ) -> None:
     """The torch path of `kv_store` (any device)."""
-    if k.shape != v.shape or k.shape[1:] != k_cache.shape[1:]:
-        raise ValueError(
-            f"kv_store shape mismatch: k {tuple(k.shape)}, cache {tuple(k_cache.shape)}"
-        )
-    if slots.shape[0] != k.shape[0]:
-        raise ValueError(f"{slots.shape[0]} slots for {k.shape[0]} tokens")
+    check_kv_store_shapes(k_cache, slots, k, v)
     k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.index_copy_(0, slots, v.to(v_cache.dtype))

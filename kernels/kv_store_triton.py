@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shunter.kernels.kv_store import check_kv_store_shapes
+
 
 @triton.jit
 def _kv_store_kernel(
@@ -55,12 +57,7 @@ def kv_store_triton(
     v: torch.Tensor,
 ) -> None:
     """k_cache, v_cache: [num_slots, Hkv, D]; slots: [T] int64; k, v: [T, Hkv, D]."""
-    if k.shape != v.shape or k.shape[1:] != k_cache.shape[1:]:
-        raise ValueError(
-            f"kv_store shape mismatch: k {tuple(k.shape)}, cache {tuple(k_cache.shape)}"
-        )
-    if slots.shape[0] != k.shape[0]:
-        raise ValueError(f"{slots.shape[0]} slots for {k.shape[0]} tokens")
+    check_kv_store_shapes(k_cache, slots, k, v)
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert k_cache.stride() == v_cache.stride()
     assert k.stride(-1) == 1 and v.stride(-1) == 1, "kv_store_triton needs a contiguous dim axis"

@@ -7,6 +7,9 @@ import msgspec
 from shunter.actors.executor.models.quant import WEIGHT_FORMATS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+# Decode batch sizes captured as CUDA graphs up to cuda_graph_max_bs (and that bound itself)
+DEFAULT_CUDA_GRAPH_MAX_BS = 256
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
@@ -44,7 +47,23 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Projection weights kept as "bf16", "int8" or "int4" (models/quant.py) to cut the
     bytes a CPU decode step reads; "none" keeps them in the model dtype."""
 
+    attention_backend: str = "auto"
+    """"torch" (any device), "triton" or "flashinfer" (CUDA); "auto": flashinfer on CUDA
+    when it imports, else triton; torch on a CPU."""
+    cuda_graph_max_bs: int | None = None
+    """Largest decode batch replayed from a CUDA graph; None: DEFAULT_CUDA_GRAPH_MAX_BS
+    (capped by max_num_rows). Larger decode batches and every prefill run eagerly."""
+    disable_cuda_graph: bool = False
+    """Run every step eagerly on CUDA (no graph capture)."""
+
     def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.load_format not in LOAD_FORMATS:

@@ -42,6 +42,13 @@ class ForwardInput:
     # executor core checks each ForwardBatch in full before staging it), so the decode
     # hot path does not check them twice
     checked: bool = False
+    # The executor's mirror row of each entry, and whether that row opened in this batch.
+    # With them a CUDA runner keeps a device copy of the row slot tables: an opened row's
+    # table is copied whole, the others gain only their new tokens' slots, and decode
+    # reads the copy (no per-step padded index, what a CUDA graph replays). None: the
+    # runner attends from `slot_tables` alone.
+    row_ids: list[int] | None = None
+    fresh: list[bool] | None = None
 
     @classmethod
     def build(

@@ -26,6 +26,13 @@ and each row follows a path fixed by its own parameters (rows with top_p < 1 go
 through a sorted path, the others stay in vocabulary order), so a seeded request gives
 the same tokens whatever else shares its batch.
 
+Device and host: `sample_on_device` launches the whole pipeline on the logits' device
+and returns tensors (a DeviceSample: tokens, and for rows that asked, the chosen and top
+logprobs); `sample_results` turns host copies of them into lists. Only the uniforms
+come from the host (each row's own CPU generator, then moved), so a seeded row draws
+the same tokens on every device that computes the same logits. Between the two calls
+the executor launches the next step's forward (core.py). `sample` does both at once.
+
 Logprobs are those of the model's RAW distribution: log_softmax of the logits before
 penalties, bias, masks, temperature and truncation (vLLM's default "raw logprobs").
 So a token's logprob does not depend on the sampling settings, and prompt logprobs
@@ -35,6 +42,9 @@ Invariants
 ----------
 - `RowSampling` is the only mutable state; `sample` mutates nothing but the generators.
 - A greedy row never consumes a random draw.
+- sample_on_device reads nothing back from the device, except one flag per top-p row
+  (which way its nucleus is sorted); every index and parameter tensor it builds is
+  on the logits' device.
 """
 
 from __future__ import annotations
@@ -165,25 +175,26 @@ def apply_penalties(x: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tenso
         if row.num_output_tokens < p.min_new_tokens and row.masked_ids:
             mask_r += [i] * len(row.masked_ids)
             mask_t += row.masked_ids
+    dev = x.device
     if rep_r:
-        r, t = torch.tensor(rep_r), torch.tensor(rep_t)
-        pen = torch.tensor(rep_p, dtype=x.dtype)
+        r, t = torch.tensor(rep_r, device=dev), torch.tensor(rep_t, device=dev)
+        pen = torch.tensor(rep_p, dtype=x.dtype, device=dev)
         v = x[r, t]  # [N]
         x[r, t] = torch.where(v > 0, v / pen, v * pen)
     if fp_r:
         x.index_put_(
-            (torch.tensor(fp_r), torch.tensor(fp_t)),
-            -torch.tensor(fp_v, dtype=x.dtype),
+            (torch.tensor(fp_r, device=dev), torch.tensor(fp_t, device=dev)),
+            -torch.tensor(fp_v, dtype=x.dtype, device=dev),
             accumulate=True,
         )
     if bias_r:
         x.index_put_(
-            (torch.tensor(bias_r), torch.tensor(bias_t)),
-            torch.tensor(bias_v, dtype=x.dtype),
+            (torch.tensor(bias_r, device=dev), torch.tensor(bias_t, device=dev)),
+            torch.tensor(bias_v, dtype=x.dtype, device=dev),
             accumulate=True,
         )
     if mask_r:
-        x[torch.tensor(mask_r), torch.tensor(mask_t)] = -math.inf
+        x[torch.tensor(mask_r, device=dev), torch.tensor(mask_t, device=dev)] = -math.inf
     return x
 
 
@@ -198,31 +209,42 @@ def _needs_processing(row: RowSampling) -> bool:
 
 
 def truncate_probs(
-    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None, min_p: torch.Tensor
+    probs: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor,
+    *,
+    kmax: int | None = None,
+    use_min_p: bool | None = None,
 ) -> torch.Tensor:
     """Zero the probabilities outside top-k / top-p / min-p, each mask from `probs`.
 
     probs: [B, V] float32, each row sorted descending when top_p is given (the sorted
     path), in vocabulary order otherwise. top_k: [B] int64 (V for off). top_p: [B] or
-    None. min_p: [B]. Returns a new [B, V] tensor."""
+    None. min_p: [B]. All on probs' device. kmax (the largest k below V, 0 if none) and
+    use_min_p (any min_p > 0) are read from the tensors when not given; a caller that
+    knows them on the host passes them, so nothing is read back from the device.
+    Returns a new [B, V] tensor."""
     num_vocab = probs.shape[-1]
-    keep_all_k = bool((top_k >= num_vocab).all())
+    if kmax is None:
+        limited = top_k[top_k < num_vocab]
+        kmax = int(limited.max()) if limited.numel() else 0
+    if use_min_p is None:
+        use_min_p = bool((min_p > 0).any())
     out = probs
-    if not keep_all_k:
+    if kmax > 0:
         k_idx = (top_k.clamp(1, num_vocab) - 1).unsqueeze(1)  # [B, 1]
         if top_p is not None:
             kth = probs.gather(1, k_idx)  # sorted: the k-th largest is at k-1
         else:
-            # Only rows with a real limit pay for topk, and only up to their largest k.
-            limited = (top_k < num_vocab).nonzero().squeeze(1)  # [L]
-            kmax = int(top_k[limited].max())
-            kth = torch.zeros(probs.shape[0], 1, dtype=probs.dtype)  # 0: keeps everything
-            kth[limited] = probs[limited].topk(kmax, dim=-1).values.gather(1, k_idx[limited])
+            # Only up to the largest real k; rows without a limit keep everything (0).
+            kth = probs.topk(kmax, dim=-1).values.gather(1, k_idx.clamp_max(kmax - 1))
+            kth = kth.masked_fill((top_k >= num_vocab).unsqueeze(1), 0.0)
         out = out.masked_fill(probs < kth, 0.0)
     if top_p is not None:
         before = probs.cumsum(-1) - probs  # [B, V] mass strictly before each token
         out = out.masked_fill(before > top_p.unsqueeze(1), 0.0)
-    if bool((min_p > 0).any()):
+    if use_min_p:
         top = probs[:, :1] if top_p is not None else probs.amax(-1, keepdim=True)
         out = out.masked_fill(probs < top * min_p.unsqueeze(1), 0.0)
     return out
@@ -238,41 +260,77 @@ def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 
 def _sample_group(x: torch.Tensor, rows: Sequence[RowSampling], sorted_path: bool) -> torch.Tensor:
-    """x: [G, V] processed logits of non-greedy rows -> [G] int64 token ids."""
-    temps = torch.tensor([r.params.temperature for r in rows], dtype=x.dtype)
+    """x: [G, V] processed logits of non-greedy rows -> [G] int64 token ids on x's
+    device. Each row's uniform comes from its own (CPU) generator."""
+    dev, dt = x.device, x.dtype
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=dt, device=dev)
     probs = torch.softmax(x / temps.unsqueeze(1), dim=-1)  # [G, V]
     num_vocab = x.shape[-1]
-    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else num_vocab for r in rows])
-    min_p = torch.tensor([r.params.min_p for r in rows], dtype=x.dtype)
-    uniforms = torch.cat([torch.rand(1, generator=r.generator) for r in rows])  # [G]
+    ks = [r.params.top_k if 0 < r.params.top_k < num_vocab else num_vocab for r in rows]
+    top_k = torch.tensor(ks, device=dev)
+    kmax = max((k for k in ks if k < num_vocab), default=0)
+    min_ps = [r.params.min_p for r in rows]
+    min_p = torch.tensor(min_ps, dtype=dt, device=dev)
+    use_min_p = any(m > 0 for m in min_ps)
+    uniforms = torch.cat([torch.rand(1, generator=r.generator) for r in rows]).to(dev)  # [G]
     if not sorted_path:
-        return _draw(truncate_probs(probs, top_k, None, min_p), uniforms)
-    top_p = torch.tensor([r.params.top_p for r in rows], dtype=x.dtype)
+        kept = truncate_probs(probs, top_k, None, min_p, kmax=kmax, use_min_p=use_min_p)
+        return _draw(kept, uniforms)
+    top_p = torch.tensor([r.params.top_p for r in rows], dtype=dt, device=dev)
     # Sorting the whole vocabulary is the cost of top-p. When the NUCLEUS_CANDIDATES
     # most likely tokens already hold more than top_p (plus a margin for rounding), the
     # nucleus lies inside them, so sorting them alone (topk) gives the same kept set in
     # the same order; the other rows sort everything. Which way a row goes depends only
     # on its own distribution, so batch composition still does not change its token.
+    # Choosing the way reads one flag per row back to the host (the one device sync of
+    # sampling; greedy and top-p-free rows have none).
     num_cand = min(num_vocab, NUCLEUS_CANDIDATES)
     cand, cand_order = probs.topk(num_cand, dim=-1)  # [G, C] descending
-    narrow = cand.sum(-1) > top_p + 1e-4  # [G] bool
-    tokens = torch.empty(len(rows), dtype=torch.int64)
+    narrow = (cand.sum(-1) > top_p + 1e-4).tolist()  # [G] bool
+    tokens = torch.empty(len(rows), dtype=torch.int64, device=dev)
     for is_narrow in (True, False):
-        sel = (narrow == is_narrow).nonzero().squeeze(1)  # [S]
-        if sel.numel() == 0:
+        sel_l = [i for i, n in enumerate(narrow) if n == is_narrow]
+        if not sel_l:
             continue
+        sel = torch.tensor(sel_l, device=dev)  # [S]
         if is_narrow:
             sorted_probs, order = cand[sel], cand_order[sel]
         else:
             sorted_probs, order = probs[sel].sort(dim=-1, descending=True)
-        kept = truncate_probs(sorted_probs, top_k[sel], top_p[sel], min_p[sel])
+        kmax_s = max((ks[i] for i in sel_l if ks[i] < num_vocab), default=0)
+        kept = truncate_probs(sorted_probs, top_k[sel], top_p[sel], min_p[sel],
+                              kmax=kmax_s, use_min_p=use_min_p)  # fmt: skip
         tokens[sel] = order.gather(1, _draw(kept, uniforms[sel]).unsqueeze(1)).squeeze(1)
     return tokens
 
 
-def sample(logits: torch.Tensor, rows: Sequence[RowSampling]) -> SampleOutput:
-    """logits: [B, V] float32, one row per entry of `rows`. Does not modify `logits`."""
+class DeviceSample(NamedTuple):
+    """A step's sample before it reaches the host: tensors on the logits' device
+    (or their host copies, see `to_host`)."""
+
+    tokens: torch.Tensor  # [B] int64
+    asked: list[int]  # indices (into rows) of the rows that asked for logprobs
+    chosen: torch.Tensor | None  # [A] float32 raw logprob of each asked row's token
+    top_vals: torch.Tensor | None  # [A, kmax] float32 largest raw logprobs, or None
+    top_ids: torch.Tensor | None  # [A, kmax] int64 their token ids
+
+    def to_host(self, non_blocking: bool) -> DeviceSample:
+        """Copies on the CPU. non_blocking from CUDA lands in pinned memory and is only
+        valid once the stream reached it (an event recorded after this call)."""
+
+        def cpu(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to("cpu", non_blocking=non_blocking)
+
+        return DeviceSample(cpu(self.tokens), self.asked, cpu(self.chosen),  # type: ignore[arg-type]
+                            cpu(self.top_vals), cpu(self.top_ids))  # fmt: skip
+
+
+def sample_on_device(logits: torch.Tensor, rows: Sequence[RowSampling]) -> DeviceSample:
+    """Stages 1-7 on logits [B, V] float32 (one row per entry of `rows`), launched on
+    logits' device; reads nothing back unless a row takes the top-p path. Does not
+    modify `logits`; advances the generators of the rows that draw."""
     assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
+    dev = logits.device
     x = logits
     if any(_needs_processing(r) for r in rows):
         x = apply_penalties(logits.clone(), rows)
@@ -281,9 +339,9 @@ def sample(logits: torch.Tensor, rows: Sequence[RowSampling]) -> SampleOutput:
     if len(greedy) == len(rows):
         tokens = x.argmax(dim=-1)  # [B]
     else:
-        tokens = torch.empty(len(rows), dtype=torch.int64)
+        tokens = torch.empty(len(rows), dtype=torch.int64, device=dev)
         if greedy:
-            g = torch.tensor(greedy)
+            g = torch.tensor(greedy, device=dev)
             tokens[g] = x[g].argmax(dim=-1)
         for sorted_path in (False, True):
             idx = [
@@ -294,32 +352,52 @@ def sample(logits: torch.Tensor, rows: Sequence[RowSampling]) -> SampleOutput:
             if len(idx) == len(rows):  # one group holds every row: no gather copy
                 tokens = _sample_group(x, rows, sorted_path)
             elif idx:
-                t = torch.tensor(idx)
+                t = torch.tensor(idx, device=dev)
                 tokens[t] = _sample_group(x[t], [rows[i] for i in idx], sorted_path)
 
-    token_ids: list[int] = tokens.tolist()
-    logprobs: list[float] = []
-    top_logprobs: list[list[tuple[int, float]]] = []
     asked = [i for i, r in enumerate(rows) if r.wants_logprobs]
-    if asked:
-        a = torch.tensor(asked)
-        lp = torch.log_softmax(logits[a], dim=-1)  # [A, V] raw model distribution
-        chosen = lp.gather(1, tokens[a].unsqueeze(1)).squeeze(1).tolist()
-        logprobs = [math.nan] * len(rows)
-        top_logprobs = [[] for _ in rows]
-        for j, i in enumerate(asked):
-            logprobs[i] = chosen[j]
-        kmax = max(rows[i].params.top_logprobs_num for i in asked)
-        if kmax > 0:
-            vals, ids = lp.topk(min(kmax, lp.shape[-1]), dim=-1)
-            vals_l, ids_l = vals.tolist(), ids.tolist()
-            for j, i in enumerate(asked):
-                k = rows[i].params.top_logprobs_num
-                top_logprobs[i] = list(zip(ids_l[j][:k], vals_l[j][:k]))
+    if not asked:
+        return DeviceSample(tokens, [], None, None, None)
+    a = torch.tensor(asked, device=dev)
+    lp = torch.log_softmax(logits[a], dim=-1)  # [A, V] raw model distribution
+    chosen = lp.gather(1, tokens[a].unsqueeze(1)).squeeze(1)
+    kmax = max(rows[i].params.top_logprobs_num for i in asked)
+    if kmax == 0:
+        return DeviceSample(tokens, asked, chosen, None, None)
+    vals, ids = lp.topk(min(kmax, lp.shape[-1]), dim=-1)
+    return DeviceSample(tokens, asked, chosen, vals, ids)
+
+
+def sample_results(ds: DeviceSample, rows: Sequence[RowSampling]) -> SampleOutput:
+    """The host lists of a DeviceSample (reads its tensors: pass host copies)."""
+    token_ids: list[int] = ds.tokens.tolist()
+    if ds.chosen is None:
+        return SampleOutput(token_ids, [], [])
+    logprobs = [math.nan] * len(rows)
+    top_logprobs: list[list[tuple[int, float]]] = [[] for _ in rows]
+    for i, v in zip(ds.asked, ds.chosen.tolist()):
+        logprobs[i] = v
+    if ds.top_vals is not None and ds.top_ids is not None:
+        vals_l, ids_l = ds.top_vals.tolist(), ds.top_ids.tolist()
+        for j, i in enumerate(ds.asked):
+            k = rows[i].params.top_logprobs_num
+            top_logprobs[i] = list(zip(ids_l[j][:k], vals_l[j][:k]))
     return SampleOutput(token_ids, logprobs, top_logprobs)
+
+
+def sample(logits: torch.Tensor, rows: Sequence[RowSampling]) -> SampleOutput:
+    """logits: [B, V] float32, one row per entry of `rows`. Does not modify `logits`.
+    sample_on_device then sample_results, in one call (reads the device)."""
+    return sample_results(sample_on_device(logits, rows), rows)
+
+
+def raw_logprobs(logits: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+    """[N] float32 raw logprob of each next token on logits' device: logits [N, V]
+    float32, next_ids [N] int64 (any device)."""
+    lp = torch.log_softmax(logits, dim=-1)
+    return lp.gather(1, next_ids.to(logits.device).unsqueeze(1)).squeeze(1)
 
 
 def token_logprobs(logits: torch.Tensor, next_ids: torch.Tensor) -> list[float]:
     """Raw logprob of each next token: logits [N, V] float32, next_ids [N] int64."""
-    lp = torch.log_softmax(logits, dim=-1)
-    return lp.gather(1, next_ids.unsqueeze(1)).squeeze(1).tolist()
+    return raw_logprobs(logits, next_ids).tolist()

@@ -9,9 +9,16 @@ head). On CUDA the plan's index and lengths go to the device and no mask is buil
 kernels/attention_decode_triton.py (imported on first use), which cuts the padding
 by kv_lens and applies the plan's sliding window itself.
 
+A plan can also read a row table instead of a padded index: `plan_decode_rows` takes
+a [num_rows, width] table of token slots that lives on the device (the executor
+keeps one, updating only new tokens' slots per step), the rows of the step's entries
+and their lengths; nothing is padded or copied per step, and the plan's tensors keep
+their addresses, which is what a CUDA graph replays. The torch path gathers the rows
+it needs from the table (one index_select); the Triton kernel reads it directly.
+
 Invariants: the query of entry b sits at position kv_lens[b] - 1 and its own K/V are
 already in the pool (stored before attention); padding indices point at slot 0 and
-are masked out.
+are masked out. In a row plan, table[rows[b], :kv_lens[b]] are entry b's slots.
 """
 
 from __future__ import annotations
@@ -24,10 +31,29 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class DecodePlan:
-    kv_indices: torch.Tensor  # [B, max_len] int64 slots, padded with 0
+    # [B, max_len] int64 slots padded with 0; in a row plan the [num_rows, width] table
+    kv_indices: torch.Tensor
     mask: torch.Tensor | None  # [B, 1, 1, max_len] bool, True = attended; None = all
-    kv_lens: torch.Tensor  # [B] int64
+    kv_lens: torch.Tensor  # [B] int64 (int32 allowed in a row plan)
     sliding_window: int | None = None  # the window the mask holds (the kernel reads this)
+    rows: torch.Tensor | None = None  # [B] int64: entry b reads kv_indices[rows[b]]
+    max_len: int | None = None  # host bound on kv_lens (a row plan's split count uses it)
+
+
+def plan_decode_rows(
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    kv_lens: torch.Tensor,
+    *,
+    max_len: int,
+    sliding_window: int | None = None,
+) -> DecodePlan:
+    """A plan over a row table (see the module docstring). table: [num_rows, width]
+    int32/int64 slots; rows: [B] int64 and kv_lens: [B] on the table's device; max_len:
+    a host bound on kv_lens (<= width). Builds nothing on the device."""
+    if not 1 <= max_len <= table.shape[1]:
+        raise ValueError(f"max_len {max_len} outside [1, {table.shape[1]}]")
+    return DecodePlan(table, None, kv_lens, sliding_window, rows=rows, max_len=max_len)
 
 
 def plan_decode(
@@ -110,6 +136,8 @@ def attention_decode_torch(
     scale: float,
 ) -> torch.Tensor:
     """The SDPA path of `attention_decode` (any device; needs the plan's mask)."""
+    if plan.rows is not None:
+        plan = _gather_rows(plan)
     bsz, num_heads, head_dim = q.shape
     bsz_l = plan.kv_indices.shape
     flat = plan.kv_indices.view(-1)
@@ -125,3 +153,16 @@ def attention_decode_torch(
     qg = q.reshape(bsz, num_kv_heads, num_heads // num_kv_heads, head_dim).to(k.dtype)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.mask, scale=scale)
     return out.reshape(bsz, num_heads, head_dim).to(q.dtype)  # [B, H, D]
+
+
+def _gather_rows(plan: DecodePlan) -> DecodePlan:
+    """A row plan as a padded one: the entries' rows cut to max_len, and their mask."""
+    assert plan.max_len is not None
+    idx = plan.kv_indices.index_select(0, plan.rows)[:, : plan.max_len].long()
+    pos = torch.arange(plan.max_len, device=idx.device)
+    lens = plan.kv_lens.long()
+    mask = pos[None, :] < lens[:, None]
+    if plan.sliding_window is not None:
+        mask &= pos[None, :] > (lens[:, None] - 1 - plan.sliding_window)
+    idx = torch.where(mask, idx, 0)  # table cells past a row's length may hold stale slots
+    return DecodePlan(idx, mask[:, None, None, :], lens, plan.sliding_window)

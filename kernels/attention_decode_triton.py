@@ -4,14 +4,17 @@ contexts: the GPU path of kernels/attention_decode.py.
 Theory of operation: stage 1 runs one program per (entry, KV head, split); it takes
 the entry's query heads that share that KV head (GQA group, padded to 16 rows for
 the tensor-core dot), walks its split of the entry's KV in blocks of BLOCK_N token
-slots gathered through the plan's padded slot index (any page size: a slot is read
-per token, each row one contiguous Hkv*D run), and keeps an online softmax. With one
-split it writes the output directly; otherwise it writes a float32 partial output
-and its log-sum-exp, and stage 2 (one program per entry and query head) merges the
-splits. The number of splits is chosen on the host from the plan's padded length (a
-shape, so no device sync) to give the GPU about four programs per multiprocessor.
+slots gathered through the plan's slot index (a padded [B, max_len] index, or row
+rows[b] of a row table; any page size: a slot is read per token, each row one
+contiguous Hkv*D run), and keeps an online softmax. With one split it writes the
+output directly; otherwise it writes a float32 partial output and its log-sum-exp,
+and stage 2 (one program per entry and query head) merges the splits. The number of
+splits is chosen on the host from the plan's length bound (no device sync) to give
+the GPU about four programs per multiprocessor; each entry divides its own kv_len
+over them (read on the device), so a captured step balances whatever lengths it
+replays with.
 
-Invariants: the plan's kv_lens[b] >= 1 and kv_indices[b, :kv_lens[b]] are valid
+Invariants: the plan's kv_lens[b] >= 1 and its first kv_lens[b] index cells are valid
 slots (the runner checks before the step); a split with no keys writes lse = -inf
 and adds nothing. Scores and the softmax are float32; P is rounded to V's dtype for
 the second dot (the usual flash-attention trade, inside the bf16 tolerance).
@@ -65,6 +68,7 @@ def _decode_split_kernel(
     k_ptr,
     v_ptr,
     idx_ptr,
+    rows_ptr,
     lens_ptr,
     out_ptr,
     mid_o_ptr,
@@ -80,9 +84,9 @@ def _decode_split_kernel(
     scale,
     head_dim,
     group,
-    chunk,
     window,
     HAS_WINDOW: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
     DIRECT: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -94,8 +98,14 @@ def _decode_split_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     kv_len = tl.load(lens_ptr + b).to(tl.int32)
-    start = split * chunk
-    end = tl.minimum(start + chunk, kv_len)
+    if HAS_ROWS:
+        idx_row = tl.load(rows_ptr + b).to(tl.int64)
+    else:
+        idx_row = b
+    # each entry's own keys split evenly, in whole blocks, over the splits
+    chunk_b = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk_b
+    end = tl.minimum(start + chunk_b, kv_len)
     if HAS_WINDOW:
         start = tl.maximum(start, kv_len - window)
     g = tl.arange(0, BLOCK_G)
@@ -117,7 +127,7 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         nm = offs < end
-        slots = tl.load(idx_ptr + b * idx_b_stride + offs, mask=nm, other=0).to(tl.int64)
+        slots = tl.load(idx_ptr + idx_row * idx_b_stride + offs, mask=nm, other=0).to(tl.int64)
         kv_off = slots[:, None] * cache_slot_stride + kv_base + d[None, :]  # [N, D]
         k = tl.load(k_ptr + kv_off, mask=nm[:, None] & dm[None, :], other=0.0)
         if UPCAST:
@@ -220,17 +230,22 @@ def attention_decode_triton(
     assert k_cache.stride() == v_cache.stride() and k_cache.shape[2] == head_dim
     assert num_heads % num_kv_heads == 0
     idx = plan.kv_indices
-    assert idx.shape[0] == bsz and idx.stride(-1) == 1 and idx.device == q.device
+    has_rows = plan.rows is not None
+    assert idx.stride(-1) == 1 and idx.device == q.device
+    if has_rows:
+        assert plan.rows.shape[0] == bsz and plan.max_len is not None
+    else:
+        assert idx.shape[0] == bsz
     out = torch.empty_like(q)
     if bsz == 0:
         return out
     group = num_heads // num_kv_heads
-    max_len = idx.shape[1]
+    max_len = plan.max_len if has_rows else idx.shape[1]
     if num_splits is None:
         num_splits = choose_num_splits(bsz, num_kv_heads, max_len, _num_sms(q.device))
     block_n = 64
     chunk = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max_len, chunk)  # no split starts past the padded length
+    num_splits = triton.cdiv(max_len, chunk)  # no split that even the longest entry leaves empty
     block_d = max(triton.next_power_of_2(head_dim), 16)
     direct = num_splits == 1
     if direct:
@@ -245,6 +260,7 @@ def attention_decode_triton(
         k_cache,
         v_cache,
         idx,
+        plan.rows if has_rows else plan.kv_lens,  # unread without rows
         plan.kv_lens,
         out,
         mid_o,
@@ -260,9 +276,9 @@ def attention_decode_triton(
         scale,
         head_dim,
         group,
-        chunk,
         sliding_window or 0,
         HAS_WINDOW=sliding_window is not None,
+        HAS_ROWS=has_rows,
         DIRECT=direct,
         IEEE=k_cache.dtype == torch.float32 or INTERPRETED,
         UPCAST=INTERPRETED,

@@ -7,7 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shunter.kernels.attention_decode import attention_decode, attention_decode_ref, plan_decode
+from shunter.kernels.attention_decode import (
+    attention_decode,
+    attention_decode_ref,
+    plan_decode,
+    plan_decode_rows,
+)
 
 
 def _expected(q, k_cache, v_cache, tables, scale, window=None):
@@ -73,3 +78,32 @@ def test_plan_decode_rejects_empty():
         plan_decode([])
     with pytest.raises(ValueError):
         plan_decode([torch.zeros(0, dtype=torch.int64)])
+
+
+def _row_table(tables, num_rows, width, rows, stale):
+    """A [num_rows, width] table holding tables[b] at row rows[b]; every other cell
+    `stale` (cells past a row's length must never be read)."""
+    t = torch.full((num_rows, width), stale, dtype=torch.int32)
+    for r, slots in zip(rows, tables, strict=True):
+        t[r, : slots.shape[0]] = slots.to(torch.int32)
+    return t
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_row_plan_matches_padded_plan(window):
+    lens = [5, 1, 33, 2]
+    q, kc, vc, tables = _case(8, 2, 16, lens, torch.float32, seed=3)
+    rows = [6, 0, 3, 7]
+    table = _row_table(tables, 9, 40, rows, stale=kc.shape[0] - 1)
+    plan = plan_decode_rows(
+        table, torch.tensor(rows), torch.tensor(lens), max_len=40, sliding_window=window
+    )
+    out = attention_decode(q, kc, vc, plan, 0.25)
+    want = attention_decode(q, kc, vc, plan_decode(tables, sliding_window=window), 0.25)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+
+
+def test_row_plan_checks_its_bound():
+    table = torch.zeros(2, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_len"):
+        plan_decode_rows(table, torch.tensor([0]), torch.tensor([1]), max_len=9)

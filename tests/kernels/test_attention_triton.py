@@ -19,7 +19,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from shunter.kernels.attention_decode import attention_decode_ref, plan_decode
+from shunter.kernels.attention_decode import attention_decode_ref, plan_decode, plan_decode_rows
 from shunter.kernels.attention_decode_triton import attention_decode_triton, choose_num_splits
 from shunter.kernels.attention_extend import attention_extend_ref, plan_extend
 from shunter.kernels.attention_extend_triton import (
@@ -111,6 +111,26 @@ def test_decode_agrees_with_torch_reference_and_window():
     want = attention_decode_ref(q, kc, vc, tables, 0.2, sliding_window=40)
     torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
     assert not torch.allclose(out, attention_decode_ref(q, kc, vc, tables, 0.2), atol=1e-3)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_from_row_table_matches_padded_plan(page_size):
+    """A row plan (what a captured decode step reads): entries at scattered rows of a
+    wide table whose cells past each row's length hold garbage slots; one split count
+    fixed for every length, as a graph replays it."""
+    lens = [1, 70, 300, 5]
+    q, kc, vc, tables = _decode_case(8, 2, 32, lens, page_size, torch.float32, seed=4)
+    rows = [5, 2, 0, 7]
+    width = 512
+    table = torch.full((9, width), kc.shape[0] - 1, dtype=torch.int32, device=DEVICE)
+    for r, slots in zip(rows, tables, strict=True):
+        table[r, : slots.shape[0]] = slots.to(torch.int32)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    plan = plan_decode_rows(table, torch.tensor(rows, device=DEVICE), lens_t, max_len=width)
+    want = _decode_expected(q, kc, vc, tables, 0.2)
+    for num_splits in (None, 1, 5):
+        out = attention_decode_triton(q, kc, vc, plan, 0.2, num_splits=num_splits)
+        torch.testing.assert_close(out.double(), want, rtol=2e-5, atol=2e-5)
 
 
 def test_decode_split_count_fills_the_gpu_without_tiny_splits():

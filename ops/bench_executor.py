@@ -19,6 +19,10 @@ Prints a line per figure, then a JSON summary as the LAST line (keys prefill_tok
 decode_tok_s_bs{B}, hf_*, *_vs_hf ratios, and core_overhead_ms_bs{B}: the per-step
 time outside the model runner: planning, staging, sampling). --profile prints where our decode
 step's time goes (cProfile, largest batch).
+
+--device cuda (or cuda:N) runs the device mode instead (ops/bench_gpu.py: dummy Llama-3.1-8B,
+ceilings, roofline and MFU, HF generate, an offline batch); the options shared with it
+default per device (CPU_DEFAULTS here, GPU_DEFAULTS there).
 """
 
 from __future__ import annotations
@@ -36,27 +40,38 @@ import torch
 from tqdm import tqdm
 
 from shunter.bus.messages import LAST_SAMPLED, ForwardBatch, RowOpen, SamplingParams
+from shunter.ops import bench_gpu
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=1 << 20)
 
 
+# defaults of the options the device mode shares, on a CPU (ops/bench_gpu.py: on a GPU)
+CPU_DEFAULTS = dict(dtype="float32", prefill_len=512, decode_prompt_len=128, decode_steps=32,
+                    batch_sizes="1,8,32", repeats=3)  # fmt: skip
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu",
+                   help="cpu (this module), or cuda / cuda:N (ops/bench_gpu.py)")  # fmt: skip
     p.add_argument("--model-path", default=None, help="model (default: SmolLM2-135M GGUF)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
     p.add_argument("--threads", type=int, default=2, help="torch threads for both engines")
     p.add_argument(
         "--weight-format", default="none", choices=("none", "bf16", "int8", "int4"),
         help="our projection weights' format (HF keeps --dtype)",
     )  # fmt: skip
-    p.add_argument("--prefill-len", type=int, default=512)
-    p.add_argument("--decode-prompt-len", type=int, default=128)
-    p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per batch size")
-    p.add_argument("--batch-sizes", default="1,8,32", help="comma-separated decode batch sizes")
-    p.add_argument("--repeats", type=int, default=3, help="prefill runs (best is reported)")
+    p.add_argument("--prefill-len", type=int, default=None)
+    p.add_argument("--decode-prompt-len", type=int, default=None)
+    p.add_argument(
+        "--decode-steps", type=int, default=None, help="timed decode steps per batch size"
+    )
+    p.add_argument("--batch-sizes", default=None, help="comma-separated decode batch sizes")
+    p.add_argument("--repeats", type=int, default=None, help="prefill runs (best is reported)")
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--skip-hf", action="store_true", help="only our engine (no ratios)")
     p.add_argument("--profile", action="store_true", help="cProfile our largest decode batch")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt ids")
+    bench_gpu.add_arguments(p)
 
 
 def _say(msg: str) -> None:
@@ -268,6 +283,11 @@ def bench_decode(
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.device != "cpu":
+        return bench_gpu.run(args)
+    for k, v in CPU_DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     batch_sizes = [int(b) for b in str(args.batch_sizes).split(",") if b.strip()]
     if not batch_sizes or min(batch_sizes) < 1 or args.decode_steps < 1 or args.prefill_len < 1:
         print("bench executor: batch sizes, --decode-steps and --prefill-len must be >= 1",

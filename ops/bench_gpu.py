@@ -1,0 +1,377 @@
+"""`shunter bench executor --device cuda`: the executor on a GPU against its ceilings and HF.
+
+Theory of operation
+    ForwardBatch messages go straight into an ExecutorCore built by `build_core` (the
+    executor actor's own path, CUDA graphs and attention backend as configured),
+    driven by bench_gpu_driver.Driver, which hands out rows and pages like a scheduler
+    that never runs short. The model is a dummy Llama-3.1-8B (a directory with only
+    config.json, seeded random weights) unless --model-path names an HF directory.
+    Figures, one printed line each:
+      1. HBM copy bandwidth (device-to-device copy of 4 GiB, best of 5) and the bf16
+         matmul rate (8192^3, best of 5): the measured ceilings.
+      2. bs=1 decode after a --bs1-prompt-len prompt: ms/step, tok/s, and the fraction
+         of the roofline copy_bw / `decode_step_bytes` (weights the step reads + KV).
+      3. decode throughput at each other batch size B: B prompts of --decode-prompt-len
+         prefilled in batches of --token-budget tokens, then --decode-steps steps timed;
+         tok/s = B * steps / time, with its roofline fraction too.
+      4. prefill of one --prefill-len prompt (best of --repeats): tok/s and MFU, model
+         FLOPs (`prefill_flops`) / time against the datasheet peak and against the
+         measured matmul rate.
+      5. HF transformers `generate` on the same weights (bench_gpu_hf.py) at bs=1 and at
+         the batch sizes <= 64 (--hf-new-tokens each): decode tok/s and our ratio.
+      6. offline: --offline-requests random requests of --offline-input-len tokens, each
+         decoded to --offline-output-len outputs by bench_gpu_driver.offline_run (an
+         in-bench continuous batcher, not the scheduler actor): output tok/s.
+    The JSON summary (figures and the config used) is the last stdout line; --out
+    writes it too. On a CPU (device "cpu", e.g. the tiny model in tests) the ceilings
+    are skipped and everything else runs the same way.
+
+Invariants: every timed region starts and ends on a synchronized device; each decode
+step returns its tokens to the host (the core does), so per-step wall time is real.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import tempfile
+import time
+
+import torch
+from tqdm import tqdm
+
+from shunter.actors.executor.models.config import ModelConfig
+from shunter.ops.bench_gpu_driver import Driver, offline_run, random_prompts
+
+H200_PEAK_BF16_FLOPS = 989.4e12  # H200 SXM dense bf16, datasheet
+LLAMA31_8B: dict = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
+    "attention_bias": False, "mlp_bias": False, "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+}  # fmt: skip
+# same family and switches, small enough for a CPU test
+TINY_LLAMA: dict = {**LLAMA31_8B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+                    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                    "head_dim": 16, "max_position_embeddings": 16384, "torch_dtype": "float32",
+                    "bos_token_id": None, "eos_token_id": None}  # fmt: skip
+MODELS = {"llama-3.1-8b": LLAMA31_8B, "tiny-llama": TINY_LLAMA}
+
+
+def write_model_dir(path: pathlib.Path, config: dict) -> pathlib.Path:
+    """An HF model directory holding only config.json (for load_format "dummy")."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
+# ---- counting: parameters, bytes per decode step, prefill FLOPs ----------------------
+
+
+def layer_params(c: ModelConfig) -> int:
+    """Parameters of one decoder layer (projections, biases, norms)."""
+    h, i = c.hidden_size, c.intermediate_size
+    n = h * (c.q_size + 2 * c.kv_size) + c.q_size * h + h * 2 * i + i * h + 2 * h
+    n += (c.q_size + 2 * c.kv_size) * c.qkv_bias + h * c.o_bias + (3 * i + h) * c.mlp_bias
+    return n + 2 * c.head_dim * c.qk_norm
+
+
+def head_params(c: ModelConfig) -> int:
+    """The logits projection (the embedding matrix itself when tied)."""
+    return c.vocab_size * c.hidden_size
+
+
+def model_params(c: ModelConfig) -> int:
+    """Every parameter: embedding, layers, final norm, untied head."""
+    tied_head = 0 if c.tie_word_embeddings else head_params(c)
+    return c.vocab_size * c.hidden_size + c.num_layers * layer_params(c) + c.hidden_size + tied_head
+
+
+def kv_bytes_per_token(c: ModelConfig, dtype_bytes: int) -> int:
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype_bytes
+
+
+def decode_step_bytes(c: ModelConfig, context_lens: list[int], dtype_bytes: int) -> int:
+    """Bytes one decode step must read: every layer, the final norm and the head, one
+    embedding row per entry, and the KV of each entry's context (its new token included)."""
+    params = c.num_layers * layer_params(c) + c.hidden_size + head_params(c)
+    params += len(context_lens) * c.hidden_size
+    return params * dtype_bytes + kv_bytes_per_token(c, dtype_bytes) * sum(context_lens)
+
+
+def prefill_flops(c: ModelConfig, num_tokens: int, num_logits: int = 1) -> float:
+    """Model FLOPs of a causal prefill: 2 per weight per token through the layers, the
+    head only for the rows whose logits are computed, and attention's QK^T and PV over
+    the causal half: 2 * 2 * layers * heads * head_dim * T^2 / 2."""
+    t = num_tokens
+    dense = 2.0 * c.num_layers * layer_params(c) * t + 2.0 * head_params(c) * num_logits
+    return dense + 2.0 * c.num_layers * c.num_heads * c.head_dim * t * t
+
+
+# ---- arguments -------------------------------------------------------------------------
+
+# defaults of the options bench_executor shares, on a GPU; --quick replaces them all
+GPU_DEFAULTS = dict(dtype="bfloat16", prefill_len=8192, decode_prompt_len=1024, decode_steps=256,
+                    batch_sizes="1,64,256", repeats=3)  # fmt: skip
+QUICK = dict(prefill_len=1024, decode_prompt_len=128, decode_steps=16, batch_sizes="1,8",
+             repeats=1, bs1_prompt_len=32, hf_new_tokens=16, offline_requests=16,
+             offline_input_len=128, offline_output_len=32)  # fmt: skip
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options only the device mode reads (bench_executor adds the shared ones)."""
+    g = p.add_argument_group("device mode (--device cuda)")
+    g.add_argument("--model", default="llama-3.1-8b", choices=sorted(MODELS),
+                   help="dummy-weight model to build when --model-path is not given")  # fmt: skip
+    g.add_argument("--attention-backend", default="auto",
+                   choices=("auto", "torch", "triton", "flashinfer"))  # fmt: skip
+    g.add_argument("--disable-cuda-graph", action="store_true")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    g.add_argument("--token-budget", type=int, default=8192, help="prefill tokens per batch")
+    g.add_argument("--bs1-prompt-len", type=int, default=128)
+    g.add_argument("--hf-new-tokens", type=int, default=128, help="HF generate's new tokens")
+    g.add_argument("--offline-requests", type=int, default=256)
+    g.add_argument("--offline-input-len", type=int, default=1024)
+    g.add_argument("--offline-output-len", type=int, default=1024)
+    g.add_argument("--offline-max-running", type=int, default=256)
+    g.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    g.add_argument("--out", default=None, help="also write the JSON summary here")
+
+
+def fill_defaults(args: argparse.Namespace) -> None:
+    for k, v in GPU_DEFAULTS.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
+
+
+# ---- measuring ---------------------------------------------------------------------------
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _best_ms(fn, reps: int = 5) -> float:
+    """Best CUDA-event milliseconds of `fn` over `reps` runs after one warm-up."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end))
+    return best
+
+
+def ceilings(dev: torch.device) -> dict:
+    """Copy bandwidth (GB/s, bytes read + written, 4 GiB) and bf16 matmul TFLOP/s (8192^3)."""
+    return {"copy_gbs": _copy_gbs(dev), "matmul_tflops": _matmul_tflops(dev)}
+
+
+def _copy_gbs(dev: torch.device) -> float:
+    src = torch.ones(1 << 30, dtype=torch.float32, device=dev)  # 4 GiB
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / _best_ms(lambda: dst.copy_(src)) / 1e6
+
+
+def _matmul_tflops(dev: torch.device, n: int = 8192) -> float:
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    return 2 * n**3 / _best_ms(lambda: torch.matmul(a, b)) / 1e9
+
+
+def bench_decode(driver: Driver, prompts: list[list[int]], steps: int, budget: int,
+                 desc: str) -> tuple[float, list[list[int]]]:  # fmt: skip
+    """(seconds of `steps` timed decode steps, each row's tokens) after prefilling the
+    prompts and one untimed decode step."""
+    dev = driver.core.runner.device
+    driver.close_all()
+    rows, first = driver.prefill(prompts, budget)
+    seqs = [[t] for t in first]
+    for s, t in zip(seqs, driver.decode(rows), strict=True):
+        s.append(t)
+    _sync(dev)
+    t0 = time.perf_counter()
+    for _ in tqdm(range(steps), desc=desc, file=sys.stderr, leave=False):
+        for s, t in zip(seqs, driver.decode(rows), strict=True):
+            s.append(t)
+    _sync(dev)
+    dt = time.perf_counter() - t0
+    driver.close_all()
+    return dt, seqs
+
+
+def roofline_frac(c: ModelConfig, tok_s: float, bs: int, prompt_len: int, steps: int,
+                  copy_gbs: float | None, dtype_bytes: int) -> float | None:  # fmt: skip
+    """Measured tok/s over copy_bw * B / bytes of the mean timed step (its context:
+    prompt + the first sampled token + the warm-up step + half the timed steps)."""
+    if not copy_gbs:
+        return None
+    mean_ctx = prompt_len + 2 + (steps - 1) / 2
+    nbytes = decode_step_bytes(c, [1] * bs, dtype_bytes)
+    nbytes += kv_bytes_per_token(c, dtype_bytes) * bs * (mean_ctx - 1)
+    return tok_s / (bs * copy_gbs * 1e9 / nbytes)
+
+
+def bench_prefill(driver: Driver, prompt: list[int], repeats: int) -> float:
+    """Best seconds of one whole-prompt prefill (one batch) over `repeats` runs."""
+    dev = driver.core.runner.device
+    best = float("inf")
+    for i in tqdm(range(repeats + 1), desc="prefill", unit="run", file=sys.stderr, leave=False):
+        driver.close_all()
+        _sync(dev)
+        t0 = time.perf_counter()
+        driver.prefill([prompt], len(prompt))
+        _sync(dev)
+        if i:  # the first run warms up
+            best = min(best, time.perf_counter() - t0)
+    driver.close_all()
+    return best
+
+
+# ---- the run -------------------------------------------------------------------------------
+
+
+def _sizes(args: argparse.Namespace, batch_sizes: list[int]) -> dict:
+    """Context length, KV tokens and rows that every phase fits in (one pool for all)."""
+    bs1_ctx = args.bs1_prompt_len + args.decode_steps + 2
+    thr_ctx = args.decode_prompt_len + args.decode_steps + 2
+    off_ctx = args.offline_input_len + args.offline_output_len
+    off_rows = min(args.offline_requests, args.offline_max_running)
+    max_rows = max(*batch_sizes, off_rows, 1)
+    ctx = max(args.prefill_len, bs1_ctx, thr_ctx, off_ctx) + args.page_size
+    tokens = max(args.prefill_len, bs1_ctx, max(batch_sizes) * thr_ctx, off_rows * off_ctx)
+    return {"context_length": ctx, "max_total_tokens": tokens + args.page_size * (max_rows + 1),
+            "max_num_rows": max_rows}  # fmt: skip
+
+
+def _model(args: argparse.Namespace, tmp: str) -> tuple[pathlib.Path, dict, bool]:
+    """(model directory, its config.json dict, whether weights are dummy)."""
+    if args.model_path:
+        path = pathlib.Path(args.model_path)
+        return path, json.loads((path / "config.json").read_text()), False
+    config = MODELS[args.model]
+    return write_model_dir(pathlib.Path(tmp) / args.model, config), config, True
+
+
+def build(args: argparse.Namespace, model_dir: pathlib.Path, dummy: bool, sizes: dict):
+    from shunter.actors.executor.actor import build_core
+    from shunter.actors.executor.config import ExecutorConfig
+
+    cfg = ExecutorConfig(
+        model_path=str(model_dir), load_format="dummy" if dummy else "auto", device=args.device,
+        dtype=args.dtype, page_size=args.page_size, seed=args.seed,
+        weight_format=args.weight_format, attention_backend=args.attention_backend,
+        cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph,
+        **sizes,
+    )  # fmt: skip
+    return build_core(cfg), cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    fill_defaults(args)
+    batch_sizes = [int(b) for b in str(args.batch_sizes).split(",") if b.strip()]
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print("bench executor: --device cuda but CUDA is not available", file=sys.stderr)
+        return 2
+    if not batch_sizes or min(batch_sizes) < 1 or args.decode_steps < 1:
+        print("bench executor: batch sizes and --decode-steps must be >= 1", file=sys.stderr)
+        return 2
+    s: dict = {}
+    if dev.type == "cuda":
+        s.update(ceilings(dev))
+        _say(f"ceilings: copy {s['copy_gbs']:.0f} GB/s, bf16 matmul {s['matmul_tflops']:.0f} TFLOP/s"
+             f" ({torch.cuda.get_device_name(dev)})")  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, config_dict, dummy = _model(args, tmp)
+        sizes = _sizes(args, batch_sizes)
+        t0 = time.perf_counter()
+        core, cfg = build(args, model_dir, dummy, sizes)
+    _say(f"ours: loaded in {time.perf_counter() - t0:.1f} s ({args.dtype}, {dev})")
+    import msgspec
+
+    s["config"] = {**msgspec.to_builtins(cfg), "model": args.model_path or args.model,
+                   "torch": torch.__version__, "device_name": _device_name(dev)}  # fmt: skip
+    driver = Driver(core)
+    mcfg = core.runner.config
+    nb = torch.empty(0, dtype=core.runner.dtype).element_size()
+    vocab, steps, copy_gbs = core.vocab_size, args.decode_steps, s.get("copy_gbs")
+    prompts_by_bs: dict[int, list[list[int]]] = {}
+
+    for bs in batch_sizes:
+        plen = args.bs1_prompt_len if bs == 1 else args.decode_prompt_len
+        prompts_by_bs[bs] = random_prompts(bs, plen, vocab, args.seed + bs)
+        dt, seqs = bench_decode(driver, prompts_by_bs[bs], steps, args.token_budget,
+                                f"decode bs={bs}")  # fmt: skip
+        tok_s = bs * steps / dt
+        s[f"decode_tok_s_bs{bs}"], s[f"decode_ms_bs{bs}"] = tok_s, dt / steps * 1e3
+        frac = roofline_frac(mcfg, tok_s, bs, plen, steps, copy_gbs, nb)
+        s[f"decode_bs{bs}_roofline_frac"] = frac
+        if bs == 1:
+            s["bs1_tokens"] = seqs[0]
+        _say(f"decode bs={bs} ({plen}-token prompts, {steps} steps): {tok_s:.1f} tok/s, "
+             f"{dt / steps * 1e3:.2f} ms/step" + (f", {frac:.1%} of roofline" if frac else ""))  # fmt: skip
+
+    (prompt,) = random_prompts(1, args.prefill_len, vocab, args.seed)
+    dt = bench_prefill(driver, prompt, args.repeats)
+    flops = prefill_flops(mcfg, len(prompt))
+    s["prefill_tok_s"], s["prefill_tflops"] = len(prompt) / dt, flops / dt / 1e12
+    line = f"prefill {len(prompt)} tokens: {s['prefill_tok_s']:.0f} tok/s, {s['prefill_tflops']:.0f} TFLOP/s"
+    if dev.type == "cuda":
+        s["prefill_mfu"] = flops / dt / H200_PEAK_BF16_FLOPS
+        s["prefill_frac_of_matmul"] = s["prefill_tflops"] / s["matmul_tflops"]
+        line += (f", MFU {s['prefill_mfu']:.1%} of {H200_PEAK_BF16_FLOPS / 1e12:.1f} TFLOP/s, "
+                 f"{s['prefill_frac_of_matmul']:.1%} of the measured matmul")  # fmt: skip
+    _say(line)
+
+    if not args.skip_hf:
+        from shunter.ops.bench_gpu_hf import compare_hf
+
+        hf_sizes = [b for b in batch_sizes if b <= 64]
+        s.update(compare_hf(config_dict, core.runner.model, s, prompts_by_bs, hf_sizes,
+                            args.hf_new_tokens, _say))  # fmt: skip
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+    s.update(bench_offline(driver, args, vocab))
+    s.pop("bs1_tokens", None)
+    out = json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in s.items()})
+    if args.out:
+        pathlib.Path(args.out).write_text(out + "\n")
+    print(out)
+    return 0
+
+
+def bench_offline(driver: Driver, args: argparse.Namespace, vocab: int) -> dict:
+    prompts = random_prompts(args.offline_requests, args.offline_input_len, vocab, args.seed + 7)
+    driver.close_all()
+    res = offline_run(driver, prompts, args.offline_output_len, args.token_budget,
+                      args.offline_max_running, progress=True)  # fmt: skip
+    num_out = sum(len(o) for o in res.outputs)
+    tok_s = num_out / res.elapsed_s
+    _say(f"offline {len(prompts)} x {args.offline_input_len} in / {args.offline_output_len} out: "
+         f"{tok_s:.0f} output tok/s, {res.elapsed_s:.1f} s, {res.num_steps} steps")  # fmt: skip
+    return {"offline_output_tok_s": tok_s, "offline_s": res.elapsed_s,
+            "offline_steps": res.num_steps}  # fmt: skip
+
+
+def _device_name(dev: torch.device) -> str:
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"

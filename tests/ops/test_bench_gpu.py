@@ -1,0 +1,178 @@
+"""The device benchmark's parts on a CPU: counting, the HF weight mapping, the driver and
+the offline batcher on a tiny dummy Llama, and the whole run at toy sizes."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+
+from shunter.actors.executor.actor import build_core
+from shunter.actors.executor.config import ExecutorConfig
+from shunter.actors.executor.loader import load_model
+from shunter.actors.executor.models.config import from_hf_dict
+from shunter.actors.executor.models.llama import LlamaForCausalLM
+from shunter.ops import bench_gpu as bg
+from shunter.ops.bench_gpu_driver import Driver, offline_run, random_prompts
+from shunter.ops.bench_gpu_hf import build_hf, hf_generate, hf_state_dict, leading_agreement
+from shunter.ops.cli import build_parser
+
+TINY = bg.TINY_LLAMA
+
+
+def _meta_model(config: dict) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        return LlamaForCausalLM(from_hf_dict(config))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> pathlib.Path:
+    return bg.write_model_dir(tmp_path_factory.mktemp("m") / "tiny", TINY)
+
+
+def _core(model_dir: pathlib.Path, **kw):
+    kw = {"max_total_tokens": 2048, "context_length": 512, "max_num_rows": 8, **kw}
+    return build_core(ExecutorConfig(model_path=str(model_dir), load_format="dummy",
+                                     device="cpu", dtype="float32", load_progress=False, **kw))  # fmt: skip
+
+
+@pytest.mark.parametrize("config", [bg.LLAMA31_8B, TINY, {**TINY, "tie_word_embeddings": True}])
+def test_param_count_and_decode_bytes_match_the_model(config):
+    c = from_hf_dict(config)
+    model = _meta_model(config)
+    assert bg.model_params(c) == sum(p.numel() for p in model.parameters())
+    embed = c.vocab_size * c.hidden_size
+    read = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    if c.tie_word_embeddings:
+        read += embed  # the head reads the embedding matrix
+    # bs=2 at contexts 10 and 30: weights once, one embedding row and its KV per entry
+    kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2 * 40
+    assert bg.decode_step_bytes(c, [10, 30], 2) == (read + 2 * c.hidden_size) * 2 + kv
+
+
+def test_llama31_8b_is_the_real_shape():
+    assert bg.model_params(from_hf_dict(bg.LLAMA31_8B)) == 8_030_261_248
+
+
+def test_prefill_flops_agree_with_torch_flop_counter(model_dir):
+    """torch's counter on HF's eager forward sees every matmul, the head for the one
+    kept row, and attention over the full square (`prefill_flops` counts the causal half)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, c = load_model(str(model_dir), load_format="dummy", progress=False)
+    hf = build_hf(TINY, model)
+    hf.config._attn_implementation = "eager"  # matmuls the counter sees (CPU SDPA it does not)
+    t = 64
+    with FlopCounterMode(display=False) as fc:
+        hf(torch.randint(0, c.vocab_size, (1, t)), logits_to_keep=1)
+    attention_causal = 2 * c.num_layers * c.num_heads * c.head_dim * t * t
+    norms = 2 * c.num_layers * 2 * c.hidden_size * t  # counted by us, not by torch
+    assert fc.get_total_flops() == bg.prefill_flops(c, t) - norms + attention_causal
+
+
+def test_hf_state_dict_is_the_inverse_of_load_weights(model_dir):
+    model, c = load_model(str(model_dir), load_format="dummy", progress=False, seed=3)
+    sd = hf_state_dict(model)
+    import transformers
+
+    with torch.device("meta"):
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_dict(TINY))
+    assert set(sd) == set(hf.state_dict())
+    assert sd["model.layers.1.self_attn.k_proj.weight"].shape == (c.kv_size, c.hidden_size)
+    again, _ = load_model(str(model_dir), load_format="dummy", progress=False, seed=4)
+    again.load_weights(sd.items())
+    for (n, p), (n2, q) in zip(model.named_parameters(), again.named_parameters(), strict=True):
+        assert n == n2 and torch.equal(p, q), n
+
+
+def test_hf_greedy_matches_ours_on_the_same_weights(model_dir):
+    core = _core(model_dir)
+    driver = Driver(core)
+    prompts = random_prompts(3, 12, core.vocab_size, seed=1)
+    rows, first = driver.prefill(prompts, token_budget=16)  # the second prompt is chunked
+    ours = [[t] for t in first]
+    for _ in range(7):
+        for s, t in zip(ours, driver.decode(rows), strict=True):
+            s.append(t)
+    hf = build_hf(TINY, core.runner.model)
+    theirs = hf_generate(hf, prompts, 8)
+    assert ours == theirs
+    assert leading_agreement(ours[0], theirs[0]) == 8
+    assert leading_agreement([1, 2, 3], [1, 5, 3]) == 1
+
+
+def _alone(core, prompt: list[int], n: int) -> list[int]:
+    driver = Driver(core)
+    rows, first = driver.prefill([prompt], token_budget=1 << 20)
+    out = first + [driver.decode(rows)[0] for _ in range(n - 1)]
+    driver.close_all()
+    driver.step([])  # deliver the closes
+    return out
+
+
+def test_offline_batcher_queues_chunks_and_matches_single_runs(model_dir):
+    # a pool of 96 tokens fits two of these requests at a time, so the rest queue
+    core = _core(model_dir, max_total_tokens=96)
+    driver = Driver(core)
+    prompts = [random_prompts(1, n, core.vocab_size, seed=n)[0] for n in (20, 33, 7, 40, 12)]
+    res = offline_run(driver, prompts, output_len=6, token_budget=16, max_running=4)
+    assert [len(o) for o in res.outputs] == [6] * 5
+    assert not driver.row_len and len(driver.free_pages) == core.num_pages
+    assert len(driver.free_rows) == core.max_num_rows
+    driver.step([])  # the last closes reach the core
+    assert core.statistics().num_rows == 0
+    assert res.outputs == [_alone(core, p, 6) for p in prompts]
+
+
+def test_offline_batcher_refuses_a_request_larger_than_the_pool(model_dir):
+    core = _core(model_dir, max_total_tokens=32)
+    with pytest.raises(RuntimeError, match="more pages"):
+        offline_run(Driver(core), [[5] * 30], output_len=8, token_budget=16, max_running=2)
+
+
+def _args(argv: list[str]):
+    full = ["bench", "executor", *argv]
+    return build_parser(full).parse_args(full)
+
+
+def test_whole_run_on_a_cpu_at_toy_sizes(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = _args(["--device", "cpu", "--model", "tiny-llama", "--dtype", "float32",
+                  "--batch-sizes", "1,2", "--decode-steps", "4", "--prefill-len", "64",
+                  "--decode-prompt-len", "16", "--bs1-prompt-len", "8", "--repeats", "1",
+                  "--hf-new-tokens", "4", "--offline-requests", "3", "--offline-input-len",
+                  "16", "--offline-output-len", "4", "--out", str(out)])  # fmt: skip
+    assert bg.run(args) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    summary = json.loads(last)
+    assert summary == json.loads(out.read_text())
+    for key in ("decode_tok_s_bs1", "decode_tok_s_bs2", "prefill_tok_s", "hf_decode_tok_s_bs1",
+                "decode_bs2_vs_hf", "offline_output_tok_s"):  # fmt: skip
+        assert summary[key] > 0, key
+    assert summary["bs1_greedy_agree_tokens"] == 4
+    assert summary["config"]["attention_backend"] == "auto"
+    assert summary["offline_steps"] == 4  # one prefill of all three, then three decodes
+
+
+def test_cpu_defaults_stay_and_cuda_without_a_gpu_is_refused(capsys):
+    args = _args(["--device", "cuda", "--skip-hf"])
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    from shunter.ops import bench_executor
+
+    assert bench_executor.run(args) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+    args = _args([])
+    assert args.device == "cpu" and args.batch_sizes is None  # filled by the CPU run
+
+
+@pytest.mark.gpu
+def test_quick_run_on_cuda_with_the_tiny_model(capsys):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    args = _args(["--device", "cuda", "--model", "tiny-llama", "--quick"])
+    assert bg.run(args) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["copy_gbs"] > 100 and "bs1_greedy_agree_tokens" in summary

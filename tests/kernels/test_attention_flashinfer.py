@@ -1,0 +1,274 @@
+"""flashinfer paged attention (kernels/attention_flashinfer.py).
+
+CPU tier: the host page-layout helpers, the device page-id gather
+(`kv_page_indices`, against a per-entry Python loop), the layout checks, the
+tensor-core choice, and that flashinfer reports itself unavailable without CUDA.
+
+`gpu` tier (needs flashinfer and CUDA): decode and extend in bf16 against the float32
+references `attention_decode_ref` / `attention_extend_ref`, at page sizes 1 and 16,
+GQA 32/8 heads with D 128 (tensor-core decode) and 4/2 with D 64 (CUDA-core decode),
+ragged KV lengths from 1 to over 1000, extend with and without a cached prefix,
+sliding windows (D 128 only, to keep the number of JIT-built kernels small); a
+captured `GraphDecode` replayed after a plan with other lengths; and no device sync
+in the page-id gather, the plans or the runs.
+
+Tolerances: atol 2e-2, rtol 2e-2 on the bf16 outputs against the float32 reference
+rounded to bf16 (the kernels round the softmax weights to bf16 before the second dot).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shunter.kernels.attention_decode import attention_decode_ref
+from shunter.kernels.attention_extend import attention_extend_ref
+from shunter.kernels.attention_flashinfer import (
+    FlashInferAttention,
+    _Geometry,
+    decode_uses_tensor_cores,
+    extend_qo_indptr,
+    flashinfer_available,
+    kv_page_indices,
+    kv_page_layout,
+)
+
+TOL = dict(atol=2e-2, rtol=2e-2)
+HEADS = [(32, 8, 128), (4, 2, 64)]  # (num_heads, num_kv_heads, head_dim)
+
+
+def _scatter(lens, page_size, gen, spare_pages=3):
+    """Per entry [len] int64 slot tables whose pages are scattered over a pool of
+    num_pages pages (page_size 1: every token on its own page), and num_pages."""
+    pages_each = [-(-n // page_size) for n in lens]
+    perm = torch.randperm(sum(pages_each) + spare_pages, generator=gen)
+    offsets = torch.arange(page_size)
+    owned = perm[: sum(pages_each)].split(pages_each)
+    tables = [(p[:, None] * page_size + offsets).reshape(-1)[:n] for p, n in zip(owned, lens)]
+    return tables, perm.numel()
+
+
+def _row_table(tables, num_rows, gen, dtype=torch.int32):
+    """A [num_rows, max_ctx] slot table holding the entries at shuffled rows, and the
+    [B] rows of the entries."""
+    max_ctx = max(t.shape[0] for t in tables) + 5
+    table = torch.randint(0, 1 << 20, (num_rows, max_ctx), generator=gen).to(dtype)
+    rows = torch.randperm(num_rows, generator=gen)[: len(tables)]
+    for r, t in zip(rows.tolist(), tables, strict=True):
+        table[r, : t.shape[0]] = t.to(dtype)
+    return table, rows
+
+
+# ---- CPU tier ---------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_flashinfer_unavailable_without_cuda():
+    assert flashinfer_available() is False
+
+
+def test_kv_page_layout():
+    indptr, last = kv_page_layout([1, 16, 17, 33, 48], 16)
+    assert indptr.dtype == last.dtype == torch.int32 and indptr.device.type == "cpu"
+    assert indptr.tolist() == [0, 1, 2, 4, 7, 10]
+    assert last.tolist() == [1, 16, 1, 1, 16]
+    indptr, last = kv_page_layout([3, 1, 1200], 1)
+    assert indptr.tolist() == [0, 3, 4, 1204] and last.tolist() == [1, 1, 1]
+    with pytest.raises(ValueError):
+        kv_page_layout([4, 0], 16)
+
+
+def test_extend_qo_indptr():
+    indptr = extend_qo_indptr([5, 1, 37])
+    assert indptr.dtype == torch.int32 and indptr.tolist() == [0, 5, 6, 43]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_kv_page_indices(page_size, dtype):
+    gen = torch.Generator().manual_seed(page_size)
+    lens = [1, 16, 17, 1500, 5, 32, 33]
+    tables, _ = _scatter(lens, page_size, gen)
+    table, rows = _row_table(tables, 11, gen, dtype)
+    got = kv_page_indices(table, rows, lens, page_size)
+    want = [
+        int(table[r, j]) // page_size
+        for r, n in zip(rows.tolist(), lens, strict=True)
+        for j in range(0, n, page_size)
+    ]
+    assert got.dtype == torch.int32 and got.tolist() == want
+    indptr, _ = kv_page_layout(lens, page_size)
+    assert got.shape[0] == int(indptr[-1])
+
+
+def test_kv_page_indices_empty_and_mismatched():
+    table = torch.zeros(2, 8, dtype=torch.int64)
+    assert kv_page_indices(table, torch.zeros(0, dtype=torch.int64), [], 4).shape == (0,)
+    with pytest.raises(ValueError):
+        kv_page_indices(table, torch.zeros(2, dtype=torch.int64), [3], 4)
+
+
+def test_decode_tensor_core_choice():
+    assert decode_uses_tensor_cores(32, 8)  # group 4
+    assert not decode_uses_tensor_cores(4, 2)  # group 2
+    assert not decode_uses_tensor_cores(8, 8)
+    assert decode_uses_tensor_cores(12, 2)  # group 6: no CUDA-core kernel for it
+
+
+def test_float32_pool_is_refused():
+    with pytest.raises(ValueError, match="float32"):
+        FlashInferAttention(
+            num_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+            dtype=torch.float32, device=torch.device("cpu"), max_num_pages=8,
+        )  # fmt: skip
+
+
+def test_layout_checks():
+    g = _Geometry(4, 2, 64, 16, torch.bfloat16, torch.device("cpu"))
+    indptr, last = kv_page_layout([17, 3], 16)
+    indices = torch.arange(3, dtype=torch.int32)
+    assert g.check_paged(indptr, indices, last).tolist() == [17, 3]
+    with pytest.raises(ValueError):  # one page id short
+        g.check_paged(indptr, indices[:2], last)
+    with pytest.raises(ValueError):  # int64 indptr
+        g.check_paged(indptr.long(), indices, last)
+    with pytest.raises(ValueError):  # a last page longer than a page
+        g.check_paged(indptr, indices, torch.tensor([17, 3], dtype=torch.int32))
+    k = torch.zeros(64, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError):  # not planned
+        g.paged(torch.zeros(2, 4, 64, dtype=torch.bfloat16), k, k, None)
+    with pytest.raises(ValueError):  # q dtype differs from the pool's
+        g.paged(torch.zeros(2, 4, 64), k, k, 2)
+    kp, _ = g.paged(torch.zeros(2, 4, 64, dtype=torch.bfloat16), k, k, 2)
+    assert kp.shape == (4, 16, 2, 64)
+
+
+# ---- gpu tier -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def cuda():
+    pytest.importorskip("flashinfer")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _setup(heads, page_size, lens, device, seed, num_q_rows=None):
+    """A bf16 pool, the entries' slot tables (on the device), a FlashInferAttention,
+    its page layout for `lens`, and bf16 queries [num_q_rows or B, H, D]."""
+    num_heads, num_kv_heads, head_dim = heads
+    gen = torch.Generator().manual_seed(seed)
+    tables, num_pages = _scatter(lens, page_size, gen)
+    num_slots = num_pages * page_size
+    k = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    v = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    table, rows = _row_table(tables, len(lens) + 3, gen)
+    rows_q = num_q_rows if num_q_rows is not None else len(lens)
+    q = torch.randn(rows_q, num_heads, head_dim, generator=gen).to(torch.bfloat16)
+    fa = FlashInferAttention(
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        page_size=page_size, dtype=torch.bfloat16, device=device, max_num_pages=num_pages,
+    )  # fmt: skip
+    indptr, last = kv_page_layout(lens, page_size)
+    indices = kv_page_indices(table.to(device), rows.to(device), lens, page_size)
+    dev_tables = [t.to(device) for t in tables]
+    return fa, k.to(device), v.to(device), q.to(device), dev_tables, (indptr, indices, last)
+
+
+def _windows(heads):
+    return [None, 64] if heads[2] == 128 else [None]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_matches_ref(cuda, heads, page_size):
+    lens = [1, 7, 16, 17, 1500, 300, 2]
+    for window in _windows(heads):
+        fa, k, v, q, tables, layout = _setup(heads, page_size, lens, cuda, seed=page_size)
+        scale = heads[2] ** -0.5
+        fa.plan_decode(*layout, sliding_window=window)
+        out = fa.decode(q, k, v, scale)
+        ref = attention_decode_ref(q, k, v, tables, scale, sliding_window=window)
+        torch.testing.assert_close(out.float(), ref.float(), **TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_extend_matches_ref(cuda, heads, page_size):
+    entries = [(0, 1), (0, 37), (100, 20), (1200, 5), (15, 1), (3, 64), (0, 1100)]
+    num_new = [n for _, n in entries]
+    lens = [p + n for p, n in entries]
+    for window in _windows(heads):
+        fa, k, v, q, tables, layout = _setup(
+            heads, page_size, lens, cuda, seed=7 + page_size, num_q_rows=sum(num_new)
+        )
+        scale = heads[2] ** -0.5
+        fa.plan_extend(extend_qo_indptr(num_new), *layout, sliding_window=window)
+        out = fa.extend(q, k, v, scale)
+        ref = attention_extend_ref(q, k, v, num_new, tables, scale, sliding_window=window)
+        torch.testing.assert_close(out.float(), ref.float(), **TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_graph_decode_replays_after_replan(cuda, heads, page_size):
+    lens_a, lens_b = [5, 1, 40, 17], [1300, 9, 1, 64]
+    scale = heads[2] ** -0.5
+    fa, k, v, q, _, _ = _setup(heads, page_size, lens_a + lens_b, cuda, seed=3)
+    gen = torch.Generator().manual_seed(11)
+    # two batches over disjoint pages of the same pool
+    tables, _ = _scatter(lens_a + lens_b, page_size, gen, spare_pages=0)
+    batches = [(lens_a, tables[:4]), (lens_b, tables[4:])]
+    q_a, q_b = q[:4].contiguous(), q[4:].contiguous()
+
+    def plan(gd, lens, slot_tables):
+        indptr, last = kv_page_layout(lens, page_size)
+        table, rows = _row_table(slot_tables, 4, gen)
+        gd.plan(indptr, kv_page_indices(table.to(cuda), rows.to(cuda), lens, page_size), last)
+
+    gd = fa.graph_decoder(4)
+    assert fa.graph_decoder(4) is gd
+    plan(gd, *batches[0])
+    q_buf = q_a.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        gd.decode(q_buf, k, v, scale)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gd.decode(q_buf, k, v, scale)
+    for (lens, slot_tables), q_new in [(batches[1], q_b), (batches[0], q_a)]:
+        plan(gd, lens, slot_tables)
+        q_buf.copy_(q_new)
+        graph.replay()
+        ref = attention_decode_ref(q_new, k, v, [t.to(cuda) for t in slot_tables], scale)
+        torch.testing.assert_close(out.float(), ref.float(), **TOL)
+
+
+@pytest.mark.gpu
+def test_plan_and_run_do_not_sync(cuda):
+    heads, page_size, lens = (32, 8, 128), 16, [3, 700, 1]
+    fa, k, v, q, _, layout = _setup(heads, page_size, lens, cuda, seed=5, num_q_rows=6)
+    table = torch.arange(len(lens) * 800, dtype=torch.int64, device=cuda).view(len(lens), 800)
+    rows = torch.arange(len(lens), device=cuda)
+    qo_indptr = extend_qo_indptr([1, 4, 1])
+    for _ in range(2):  # the first pass builds kernels and flashinfer's cached buffers
+        fa.plan_decode(*layout)
+        fa.decode(q[:3], k, v, 0.1)
+        fa.plan_extend(qo_indptr, *layout)
+        fa.extend(q, k, v, 0.1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        kv_page_indices(table, rows, lens, page_size)
+        fa.plan_decode(*layout)
+        fa.decode(q[:3], k, v, 0.1)
+        fa.plan_extend(qo_indptr, *layout)
+        fa.extend(q, k, v, 0.1)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

@@ -104,12 +104,9 @@ def no_effect_notes(a: ServerArgs) -> list[str]:
     """Options accepted for SGLang compatibility that this build does not act on: each is
     said out loud at start rather than silently ignored."""
     notes = []
-    if a.attention_backend != "auto":
-        notes.append(f"--attention-backend {a.attention_backend}: the executor picks its "
-                     "kernels itself (no executor setting yet)")  # fmt: skip
-    if a.cuda_graph_max_bs is not None or a.disable_cuda_graph:
-        notes.append("--cuda-graph-max-bs / --disable-cuda-graph: decode runs without CUDA "
-                     "graphs in this build")  # fmt: skip
+    if a.device == "cpu" and (a.cuda_graph_max_bs is not None or a.disable_cuda_graph):
+        notes.append("--cuda-graph-max-bs / --disable-cuda-graph: CUDA graphs exist only "
+                     "on a CUDA device")  # fmt: skip
     return notes
 
 
@@ -169,8 +166,10 @@ def build_config(spec: ActorSpec, a: ServerArgs, ready: Mapping[str, Ready], see
                 load_format=a.load_format, weight_format=a.weight_format, page_size=a.page_size,
                 max_total_tokens=a.max_total_tokens, mem_fraction_static=a.mem_fraction_static,
                 context_length=a.context_length, seed=seed % 2**32,
-                max_num_rows=max(4096, a.max_running_requests or 0),
-                load_progress=console_logs(a),
+                # the scheduler's rows are below max_running_requests (256 unless set)
+                max_num_rows=a.max_running_requests or 256,
+                attention_backend=a.attention_backend, cuda_graph_max_bs=a.cuda_graph_max_bs,
+                disable_cuda_graph=a.disable_cuda_graph, load_progress=console_logs(a),
             )  # fmt: skip
         case "tokenizer":
             from shunter.actors.tokenizer.config import TokenizerConfig

@@ -9,8 +9,13 @@ slots belong to which request is not known here: the cache manager owns allocati
 the executor mirrors each request's slot table, and the runner writes and reads
 slots through the kernels in kernels/kv_store.py and kernels/attention_*.py.
 
-Invariants: num_slots == num_pages * page_size; every buffer has the pool's dtype and
-device; num_pages >= 1.
+A pool built with `pad_page=True` holds one more page than it advertises: the
+padding page, whose first slot (`pad_slot`) padded entries of a replayed CUDA graph
+write and read, so padding never touches a slot the cache manager hands out.
+
+Invariants: num_slots == num_pages * page_size (the slots the cache manager may use);
+every buffer has the pool's dtype and device; num_pages >= 1; pad_slot, when there is
+one, is num_slots and lies in every buffer.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ class KVPool:
         page_size: int = 1,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        pad_page: bool = False,
     ) -> None:
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
@@ -70,7 +76,9 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         self.num_layers = config.num_layers
-        shape = (config.num_layers, self.num_slots, config.num_kv_heads, config.head_dim)
+        self.pad_slot: int | None = self.num_slots if pad_page else None
+        allocated = self.num_slots + (page_size if pad_page else 0)
+        shape = (config.num_layers, allocated, config.num_kv_heads, config.head_dim)
         self.k_all = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_all = torch.zeros(shape, dtype=dtype, device=self.device)
         # [num_slots, num_kv_heads, head_dim] per layer
@@ -88,6 +96,7 @@ class KVPool:
         max_total_tokens: int | None = None,
         mem_bytes: int | None = None,
         host_mem_fraction: float | None = None,
+        pad_page: bool = False,
     ) -> KVPool:
         """Size the pool from one budget, in this order of precedence: max_total_tokens
         (exact token count, rounded up to whole pages), mem_bytes (bytes for K+V of all
@@ -129,7 +138,10 @@ class KVPool:
         num_pages = (
             -(-num_tokens // page_size) if max_total_tokens is not None else num_tokens // page_size
         )
-        return cls(config, num_pages, page_size=page_size, dtype=dtype, device=device)
+        if pad_page and max_total_tokens is None:
+            num_pages = max(1, num_pages - 1)  # the budget pays for the padding page too
+        return cls(config, num_pages, page_size=page_size, dtype=dtype, device=device,
+                   pad_page=pad_page)  # fmt: skip
 
     def slots_of_pages(self, pages: list[int], num_tokens: int) -> torch.Tensor:
         """[num_tokens] int64 slots of tokens 0..num_tokens-1 of a row holding `pages`."""

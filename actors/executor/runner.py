@@ -15,6 +15,14 @@ before anything is written to the pool.
 
 The ForwardInput lives on the host and is validated there; on CUDA the step's plans
 are built once from it and the per-layer path reads no device value back to the host.
+
+On CUDA (and on request elsewhere) the runner keeps a device copy of the row slot
+tables (slot_table.py), updated from each ForwardInput's row_ids / fresh, and decode
+attention reads it; host vectors reach the device through pinned staging buffers, so
+`forward` launches its work without waiting for the device. An all-decode step of at
+most `cuda_graph_max_bs` entries replays a captured CUDA graph (cuda_graph.py); every
+other step runs eagerly. The attention backend is "torch" (SDPA; any device),
+"triton" or "flashinfer" (CUDA; kernels/attention_flashinfer.py).
 """
 
 from __future__ import annotations
@@ -22,12 +30,37 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import msgspec
+import structlog
 import torch
 
 from shunter.actors.executor.kv_pool import KVPool
-from shunter.actors.executor.models.attention import build_attention_context
+from shunter.actors.executor.models.attention import (
+    AttentionContext,
+    RowDecode,
+    build_attention_context,
+)
 from shunter.actors.executor.models.config import ModelConfig
 from shunter.actors.executor.models.llama import LlamaForCausalLM
+from shunter.actors.executor.slot_table import DeviceSlotTable, PinnedStager
+
+log = structlog.get_logger(actor="executor")
+
+
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The attention backend a runner uses for `name` ("auto" resolved; ValueError
+    for a CUDA backend off CUDA)."""
+    if device.type != "cuda":
+        if name in ("triton", "flashinfer"):
+            raise ValueError(f"attention backend {name!r} needs a CUDA device")
+        return "torch"
+    if name == "auto":
+        from shunter.kernels.attention_flashinfer import flashinfer_available
+
+        usable = dtype in (torch.bfloat16, torch.float16) and flashinfer_available()
+        return "flashinfer" if usable else "triton"
+    if name == "flashinfer" and dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"attention backend flashinfer needs bf16 or fp16, not {dtype}")
+    return name
 
 
 @dataclass(frozen=True)
@@ -87,7 +120,23 @@ class RunnerStats(msgspec.Struct, frozen=True):
 class ModelRunner:
     """Runs `model` over `kv_pool`; see the module docstring."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_pool: KVPool) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_pool: KVPool,
+        *,
+        attention_backend: str = "auto",
+        max_num_rows: int | None = None,
+        max_context_len: int | None = None,
+        slot_table: bool | None = None,
+        cuda_graph_max_bs: int | None = None,
+        capture: bool | None = None,
+        progress: bool = False,
+    ) -> None:
+        """slot_table: keep the device row table (default: on CUDA when max_num_rows is
+        given); cuda_graph_max_bs: capture decode graphs up to this batch (None: none);
+        capture: really capture (default: on CUDA; off runs the padded graph path
+        eagerly)."""
         self.model = model
         self.kv_pool = kv_pool
         self.config: ModelConfig = model.config
@@ -98,6 +147,38 @@ class ModelRunner:
             raise ValueError(
                 f"KV pool has {kv_pool.num_layers} layers, model {self.config.num_layers}"
             )
+        on_cuda = self.device.type == "cuda"
+        self.backend = resolve_backend(attention_backend, self.device, self.dtype)
+        self.stager = PinnedStager(self.device)
+        self.slot_table: DeviceSlotTable | None = None
+        if slot_table is None:
+            slot_table = on_cuda and max_num_rows is not None
+        if slot_table:
+            if max_num_rows is None:
+                raise ValueError("a device slot table needs max_num_rows")
+            width = max_context_len or self.config.max_position_embeddings
+            pad = kv_pool.pad_slot if kv_pool.pad_slot is not None else 0
+            self.slot_table = DeviceSlotTable(max_num_rows, width, pad_slot=pad, device=self.device)
+            log.info("slot table", rows=max_num_rows, width=width,
+                     mib=round(self.slot_table.nbytes / 2**20, 1))  # fmt: skip
+        self.flashinfer = None
+        if self.backend == "flashinfer":
+            from shunter.kernels.attention_flashinfer import FlashInferAttention
+
+            c = self.config
+            self.flashinfer = FlashInferAttention(
+                num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                page_size=kv_pool.page_size, dtype=self.dtype, device=self.device,
+                max_num_pages=kv_pool.num_pages + 1,
+            )  # fmt: skip
+        self.graphs = None
+        if cuda_graph_max_bs is not None and (self.backend != "torch" or capture is False):
+            from shunter.actors.executor.cuda_graph import DecodeGraphs
+
+            self.graphs = DecodeGraphs(
+                self, cuda_graph_max_bs or 1, capture=on_cuda if capture is None else capture
+            )
+            self.graphs.capture_all(progress)
         self._num_forwards = self._num_tokens = self._num_logits = 0
 
     def validate(self, inp: ForwardInput) -> None:
@@ -143,29 +224,120 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, inp: ForwardInput) -> torch.Tensor:
-        """[num_logits, vocab] float32 logits; the new tokens' K/V are in the pool after."""
+        """[num_logits, vocab] float32 logits; the new tokens' K/V are in the pool after.
+        After a graph replay the logits are a view valid until the next forward."""
         if not inp.checked:
             self.validate(inp)
-        dev = self.device
-        ctx = build_attention_context(
-            self.kv_pool.k_buffers,
-            self.kv_pool.v_buffers,
-            inp.num_new_tokens,
-            inp.seq_lens,
-            inp.slot_tables,
-            device=dev,
-            sliding_window=self.config.sliding_window,
-        )
-        hidden = self.model(
-            inp.input_ids.to(dev), inp.positions.to(dev), ctx, max_pos=max(inp.seq_lens)
-        )  # [T, hidden]
-        if inp.logits_indices.shape[0] != hidden.shape[0]:
-            hidden = hidden.index_select(0, inp.logits_indices.to(dev))
-        logits = self.model.compute_logits(hidden)  # [num_logits, vocab] float32
+        n = inp.num_new_tokens
+        out_slots = torch.cat(
+            [t[s - k : s] for t, k, s in zip(inp.slot_tables, n, inp.seq_lens, strict=True)]
+        )  # [T] host
+        table = self.slot_table if inp.row_ids is not None else None
+        if table is not None:
+            table.update(inp.row_ids, inp.fresh or [False] * len(n), n, inp.seq_lens,
+                         inp.slot_tables)  # fmt: skip
         self._num_forwards += 1
         self._num_tokens += inp.input_ids.shape[0]
+        graphs = self.graphs
+        num_tokens = inp.input_ids.shape[0]
+        if (
+            table is not None and graphs is not None and num_tokens == len(n)
+            and graphs.bucket(num_tokens) is not None
+        ):  # fmt: skip
+            logits = graphs.run(inp, out_slots)
+            if inp.logits_indices.shape[0] != num_tokens:
+                logits = logits.index_select(0, inp.logits_indices.to(self.device))
+            self._num_logits += logits.shape[0]
+            return logits
+        ctx, ids, positions = self._eager_context(inp, out_slots, table)
+        hidden = self.model(ids, positions, ctx, max_pos=max(inp.seq_lens))  # [T, hidden]
+        if inp.logits_indices.shape[0] != hidden.shape[0]:
+            hidden = hidden.index_select(0, inp.logits_indices.to(self.device))
+        logits = self.model.compute_logits(hidden)  # [num_logits, vocab] float32
         self._num_logits += logits.shape[0]
         return logits
+
+    def _eager_context(
+        self, inp: ForwardInput, out_slots: torch.Tensor, table: DeviceSlotTable | None
+    ) -> tuple[AttentionContext, torch.Tensor, torch.Tensor]:
+        """The step's attention context and its ids and positions on the device, every
+        host vector staged in one copy."""
+        n = inp.num_new_tokens
+        num_tokens = out_slots.shape[0]
+        dec = [i for i, k in enumerate(n) if k == 1]
+        use_rows = table is not None and self.backend != "flashinfer" and bool(dec)
+        ids_host = inp.input_ids.device.type == "cpu"
+        parts = [inp.positions, out_slots] + ([inp.input_ids] if ids_host else [])
+        if use_rows:
+            assert inp.row_ids is not None
+            parts += [torch.tensor([inp.row_ids[i] for i in dec]),
+                      torch.tensor([inp.seq_lens[i] for i in dec])]  # fmt: skip
+        dev = self.stager.stage(parts)
+        positions, slots = dev[:num_tokens], dev[num_tokens : 2 * num_tokens]
+        at = 2 * num_tokens
+        ids = inp.input_ids.to(self.device)
+        if ids_host:
+            ids, at = dev[at : at + num_tokens], at + num_tokens
+        sw = self.config.sliding_window
+        kv = (self.kv_pool.k_buffers, self.kv_pool.v_buffers)
+        if self.flashinfer is not None:
+            return self._flashinfer_context(inp, slots, table), ids, positions
+        rd = None
+        if use_rows:
+            assert table is not None
+            rows, lens = dev[at : at + len(dec)], dev[at + len(dec) :]
+            rd = RowDecode(table.table, rows, lens, max(inp.seq_lens[i] for i in dec))
+        ctx = build_attention_context(*kv, n, inp.seq_lens, inp.slot_tables, device=self.device,
+                                      sliding_window=sw, out_slots=slots, row_decode=rd)  # fmt: skip
+        return ctx, ids, positions
+
+    def decode_context(
+        self, out_slots: torch.Tensor, rd: RowDecode, *, num_entries: int
+    ) -> AttentionContext:
+        """An all-decode step's context over the device slot table (captured steps)."""
+        return build_attention_context(
+            self.kv_pool.k_buffers, self.kv_pool.v_buffers, [1] * num_entries,
+            [1] * num_entries, [], device=self.device, sliding_window=self.config.sliding_window,
+            out_slots=out_slots, row_decode=rd,
+        )  # fmt: skip
+
+    # ---- flashinfer -------------------------------------------------------------------
+
+    def _flashinfer_context(
+        self, inp: ForwardInput, out_slots: torch.Tensor, table: DeviceSlotTable | None
+    ) -> AttentionContext:
+        from shunter.kernels import attention_flashinfer as fi
+
+        assert self.flashinfer is not None
+        if table is None:
+            raise ValueError("the flashinfer backend needs ForwardInput.row_ids")
+        assert inp.row_ids is not None
+        rows = self.stager.stage([torch.tensor(inp.row_ids)])
+        n = inp.num_new_tokens
+        ps = self.kv_pool.page_size
+        kv_indptr, last_len = fi.paged_kv_layout(inp.seq_lens, ps)
+        indices = fi.kv_page_indices(table.table, rows, inp.seq_lens, ps)
+        kv = (self.kv_pool.k_buffers, self.kv_pool.v_buffers)
+        sw = self.config.sliding_window
+        if all(k == 1 for k in n):
+            self.flashinfer.plan_decode(kv_indptr, indices, last_len, sliding_window=sw)
+            mode = "decode"
+        else:
+            qo_indptr = torch.tensor([0, *n], dtype=torch.int32).cumsum(0).to(torch.int32)
+            self.flashinfer.plan_extend(qo_indptr, kv_indptr, indices, last_len, sliding_window=sw)
+            mode = "extend"
+        return AttentionContext(*kv, out_slots, None, None, None, None,
+                                flashinfer=self.flashinfer, flashinfer_mode=mode)  # fmt: skip
+
+    def plan_flashinfer_decode(self, wrapper, rows: torch.Tensor, lens: list[int]) -> None:
+        """Plan a graph's fixed-buffer flashinfer decode for rows (device) of lengths lens."""
+        from shunter.kernels import attention_flashinfer as fi
+
+        assert self.slot_table is not None
+        ps = self.kv_pool.page_size
+        kv_indptr, last_len = fi.paged_kv_layout(lens, ps)
+        indices = fi.kv_page_indices(self.slot_table.table, rows, lens, ps)
+        wrapper.plan(kv_indptr, indices, last_len, sliding_window=self.config.sliding_window)
 
     def statistics(self) -> RunnerStats:
         return RunnerStats(self._num_forwards, self._num_tokens, self._num_logits)

@@ -89,6 +89,14 @@ def test_configs_follow_the_server_args_and_the_executor_ready():
     specs = {s.kind: s for s in actor_specs(a)}
     ex = build_config(specs["executor"], a, {}, seed=5)
     assert ex.weight_format == "int4"
+    assert ex.max_num_rows == 12  # the scheduler's rows
+    assert (ex.attention_backend, ex.cuda_graph_max_bs, ex.disable_cuda_graph) == ("auto", None,
+                                                                                  False)  # fmt: skip
+    gpu = parse_server_args(["--attention-backend", "triton", "--cuda-graph-max-bs", "48",
+                             "--disable-cuda-graph"])  # fmt: skip
+    exg = build_config(specs["executor"], gpu, {}, seed=5)
+    assert (exg.attention_backend, exg.cuda_graph_max_bs, exg.disable_cuda_graph) == ("triton", 48,
+                                                                                  True)  # fmt: skip
     assert (ex.max_total_tokens, ex.dtype, ex.page_size, ex.actor_id) == (
         4096,
         "float32",
@@ -188,5 +196,6 @@ def test_device_checks_and_no_effect_notes(capsys):
         code, err = _run_in_process(capsys, "--attention-backend", "triton")
         assert code == 2 and "--attention-backend triton: no CUDA device is available" in err
     assert no_effect_notes(ServerArgs()) == []
-    notes = no_effect_notes(ServerArgs(attention_backend="torch", disable_cuda_graph=True))
-    assert len(notes) == 2 and notes[0].startswith("--attention-backend torch")
+    assert no_effect_notes(ServerArgs(attention_backend="torch", disable_cuda_graph=True)) == []
+    notes = no_effect_notes(ServerArgs(device="cpu", cuda_graph_max_bs=8))
+    assert len(notes) == 1 and "only on a CUDA device" in notes[0]

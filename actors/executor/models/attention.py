@@ -6,17 +6,30 @@ through a padded decode plan; entries with several new tokens (prefill / extend)
 through the extend plan. Both plans are built once and shared by every layer, so the
 per-layer cost is the KV store plus one or two attention calls.
 
+With a device row table (actors/executor/slot_table.py) the decode plan reads the
+entries' rows of that table instead of a padded copy of their slot tables. Under the
+flashinfer backend one planned flashinfer wrapper (`ctx.flashinfer`) attends every
+entry of the step: its decode wrapper when all entries decode, else its prefill
+wrapper (a decode entry is an extend of one token there).
+
 Invariants: `out_slots[t]` is the slot of new token t; decode_rows and extend_rows
-partition range(num_tokens) (either may be empty, then its plan is None).
+partition range(num_tokens) (either may be empty, then its plan is None); when
+`flashinfer` is set both plans are None.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from shunter.kernels.attention_decode import DecodePlan, attention_decode, plan_decode
+from shunter.kernels.attention_decode import (
+    DecodePlan,
+    attention_decode,
+    plan_decode,
+    plan_decode_rows,
+)
 from shunter.kernels.attention_extend import ExtendPlan, attention_extend, plan_extend
 from shunter.kernels.kv_store import kv_store
 
@@ -30,6 +43,20 @@ class AttentionContext:
     extend_plan: ExtendPlan | None
     decode_rows: torch.Tensor | None  # [num_decode] int64 token rows, None if all or none
     extend_rows: torch.Tensor | None  # [num_extend_tokens] int64, None if all or none
+    # a planned flashinfer attention (kernels/attention_flashinfer.py) and which of its
+    # wrappers runs: "decode" or "extend"
+    flashinfer: Any = None
+    flashinfer_mode: str = "decode"
+
+
+@dataclass(frozen=True)
+class RowDecode:
+    """The decode entries' rows of a device slot table (see the module docstring)."""
+
+    table: torch.Tensor  # [num_rows + 1, width] int32
+    rows: torch.Tensor  # [num_decode] int64, on the device
+    lens: torch.Tensor  # [num_decode] int64, on the device
+    max_len: int  # host bound on lens
 
 
 def build_attention_context(
@@ -41,15 +68,25 @@ def build_attention_context(
     *,
     device: torch.device,
     sliding_window: int | None = None,
+    out_slots: torch.Tensor | None = None,
+    row_decode: RowDecode | None = None,
 ) -> AttentionContext:
-    out_slots = torch.cat(
-        [t[s - n : s] for t, n, s in zip(slot_tables, num_new_tokens, seq_lens, strict=True)]
-    ).to(device)
+    """out_slots: the new tokens' slots already on the device (else gathered here);
+    row_decode: read the decode entries' KV through a device row table."""
+    if out_slots is None:
+        out_slots = torch.cat(
+            [t[s - n : s] for t, n, s in zip(slot_tables, num_new_tokens, seq_lens, strict=True)]
+        ).to(device)
     dec = [i for i, n in enumerate(num_new_tokens) if n == 1]
     ext = [i for i, n in enumerate(num_new_tokens) if n != 1]
     decode_plan = extend_plan = None
     decode_rows = extend_rows = None
-    if dec:
+    if dec and row_decode is not None:
+        r = row_decode
+        decode_plan = plan_decode_rows(
+            r.table, r.rows, r.lens, max_len=r.max_len, sliding_window=sliding_window
+        )
+    elif dec:
         decode_plan = plan_decode(
             [slot_tables[i][: seq_lens[i]] for i in dec],
             device=device,
@@ -87,6 +124,10 @@ def paged_attention(
     """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H, D]. Stores k, v first."""
     kc, vc = ctx.k_buffers[layer_idx], ctx.v_buffers[layer_idx]
     kv_store(kc, vc, ctx.out_slots, k, v)
+    if ctx.flashinfer is not None:
+        if ctx.flashinfer_mode == "decode":
+            return ctx.flashinfer.decode(q, kc, vc, scale)
+        return ctx.flashinfer.extend(q, kc, vc, scale)
     if ctx.extend_plan is None:
         return attention_decode(q, kc, vc, ctx.decode_plan, scale)
     if ctx.decode_plan is None:

@@ -1,0 +1,147 @@
+"""Building an executor core from its config: device, dtype, model, KV pool, runner.
+
+Theory of operation: `build_core` loads the model (loader.py), sizes the KV pool and
+wraps both in a ModelRunner and an ExecutorCore. On CUDA the pool is sized as SGLang
+sizes it: `mem_fraction_static` (default DEFAULT_CUDA_MEM_FRACTION) of the device's
+total memory is the budget of everything static (weights, KV pool, slot table, graph
+buffers), so the pool gets what is free after loading minus the (1 - fraction) share
+kept for activations, minus the slot table and an estimate of what the decode graphs
+hold. The runner then captures its decode graphs (a progress bar) unless
+`disable_cuda_graph`. On a CPU the pool is sized from host memory (kv_pool.py).
+
+Invariants: blocking (seconds); the pool is never sized below one page (ValueError
+from KVPool.from_budget says by how much the budget fell short).
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+import torch
+
+from shunter.actors.executor.config import DEFAULT_CUDA_GRAPH_MAX_BS, ExecutorConfig
+from shunter.actors.executor.core import ExecutorCore
+from shunter.actors.executor.cuda_graph import capture_sizes
+from shunter.actors.executor.kv_pool import KVPool
+from shunter.actors.executor.loader import load_model
+from shunter.actors.executor.models.config import ModelConfig
+from shunter.actors.executor.runner import ModelRunner
+
+log = structlog.get_logger(actor="executor")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CUDA_MEM_FRACTION = 0.88
+# Activation workspace a captured decode graph keeps per batch row beyond its logits
+# (hidden states, qkv, MLP intermediates, attention partials), as a multiple of the
+# model's widest row in bytes; generous on purpose: the estimate only shrinks the pool.
+_GRAPH_ROW_FACTOR = 8
+
+
+def resolve_device(config: ExecutorConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
+
+
+def resolve_dtype(config: ExecutorConfig, device: torch.device) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[config.dtype]
+
+
+def graph_max_bs(config: ExecutorConfig, device: torch.device) -> int | None:
+    """Largest captured decode batch, or None when no graph is captured."""
+    if device.type != "cuda" or config.disable_cuda_graph:
+        return None
+    return min(config.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, config.max_num_rows)
+
+
+def graph_bytes(mcfg: ModelConfig, max_bs: int | None, elem: int) -> int:
+    """What the decode graphs are expected to hold: every bucket's float32 logits plus
+    its activations."""
+    if max_bs is None:
+        return 0
+    row = mcfg.vocab_size * 4 + _GRAPH_ROW_FACTOR * elem * max(
+        mcfg.hidden_size, mcfg.intermediate_size * 2, mcfg.q_size + 2 * mcfg.kv_size
+    )
+    return sum(capture_sizes(max_bs)) * row + (256 << 20)
+
+
+def cuda_kv_budget(
+    config: ExecutorConfig, device: torch.device, reserved: int
+) -> tuple[int, dict[str, int]]:
+    """Bytes for the KV pool on CUDA after loading, and the figures it came from."""
+    free, total = torch.cuda.mem_get_info(device)
+    frac = config.mem_fraction_static or DEFAULT_CUDA_MEM_FRACTION
+    keep = int(total * (1.0 - frac))
+    budget = free - keep - reserved
+    if budget <= 0:
+        raise ValueError(
+            f"no memory left for the KV pool: {free / 2**30:.1f} GiB free after loading, "
+            f"{keep / 2**30:.1f} GiB kept by mem_fraction_static={frac}, "
+            f"{reserved / 2**30:.1f} GiB for the slot table and decode graphs; raise "
+            "--mem-fraction-static or lower --cuda-graph-max-bs / --context-length"
+        )
+    return budget, {"free": free, "total": total, "keep": keep, "reserved": reserved}
+
+
+def build_core(config: ExecutorConfig) -> ExecutorCore:
+    """Load the model, size the KV pool, wrap both in a core (blocking; seconds)."""
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    device = resolve_device(config)
+    dtype = resolve_dtype(config, device)
+    t0 = time.perf_counter()
+    model, mcfg = load_model(
+        config.model_path,
+        dtype=dtype,
+        device=device,
+        load_format=config.load_format,
+        seed=config.seed,
+        progress=config.load_progress,
+        config_overrides=dict(config.model_overrides) or None,
+        weight_format=config.weight_format,
+    )
+    max_context_len = min(config.context_length or mcfg.max_position_embeddings,
+                          mcfg.max_position_embeddings)  # fmt: skip
+    on_cuda = device.type == "cuda"
+    max_bs = graph_max_bs(config, device)
+    mem_bytes = None
+    if on_cuda and config.max_total_tokens is None:
+        elem = torch.empty((), dtype=dtype).element_size()
+        table = (config.max_num_rows + 1) * max_context_len * 4
+        mem_bytes, facts = cuda_kv_budget(config, device, table + graph_bytes(mcfg, max_bs, elem))
+        log.info("kv budget", **{k: round(v / 2**30, 2) for k, v in facts.items()},
+                 kv_gib=round(mem_bytes / 2**30, 2))  # fmt: skip
+    pool = KVPool.from_budget(
+        mcfg,
+        dtype=dtype,
+        device=device,
+        page_size=config.page_size,
+        max_total_tokens=config.max_total_tokens,
+        mem_bytes=mem_bytes,
+        host_mem_fraction=config.mem_fraction_static if not on_cuda else None,
+        pad_page=on_cuda,
+    )
+    t1 = time.perf_counter()
+    runner = ModelRunner(
+        model,
+        pool,
+        attention_backend=config.attention_backend,
+        max_num_rows=config.max_num_rows if on_cuda else None,
+        max_context_len=max_context_len,
+        cuda_graph_max_bs=max_bs,
+        progress=config.load_progress,
+    )
+    core = ExecutorCore(
+        runner,
+        eos_token_ids=mcfg.eos_token_ids,
+        max_context_len=max_context_len,
+        max_num_rows=config.max_num_rows,
+    )
+    log.info("executor loaded", actor_id=config.actor_id, model=mcfg.name, dtype=str(dtype),
+             device=str(device), backend=runner.backend, num_pages=pool.num_pages,
+             page_size=pool.page_size, cuda_graph_max_bs=max_bs,
+             load_s=round(t1 - t0, 2), capture_s=round(time.perf_counter() - t1, 2))  # fmt: skip
+    return core

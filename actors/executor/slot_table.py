@@ -1,0 +1,126 @@
+"""The device copy of the executor's row slot tables, and pinned host staging.
+
+Theory of operation
+-------------------
+The executor core keeps, per mirror row, the flat KV slot of every token position on
+the host. A GPU step should not re-send whole tables: `DeviceSlotTable` keeps a
+[num_rows + 1, width] int32 copy on the device and `update(inp)` writes only what a
+step changed: every slot of a row that just opened (`ForwardInput.fresh`: its cached
+prefix too), and the new tokens' slots of the others. Decode attention then reads
+rows of this table by index (kernels/attention_decode.py `plan_decode_rows`), so a
+decode step's device inputs are five short vectors, which is what a CUDA graph
+replays. The last row is the padding row: its first cell is the pool's padding slot,
+so padded graph entries (length 1) read and write only that slot.
+
+Host-to-device copies come from pinned memory with non_blocking=True (a copy from
+pageable memory may wait for the device). `PinnedStager` owns a small ring of pinned
+buffers; a buffer is reused only after the event recorded behind its last copy has
+completed, so the host may run a step or two ahead of the device without overwriting
+data the device has not read yet.
+
+Invariants: after `update(inp)`, table[row_ids[b], :seq_lens[b]] equals
+slot_tables[b][:seq_lens[b]] for every entry b; the padding row's first cell is
+`pad_slot`; no method synchronizes the device except to recycle a staging buffer
+whose copy is still queued (at most once per `RING` uses).
+"""
+
+from __future__ import annotations
+
+import torch
+
+RING = 4  # staging buffers; the host runs at most this many copies ahead of the device
+
+
+class PinnedStager:
+    """Copies host int64 vectors to the device through a ring of pinned buffers."""
+
+    def __init__(self, device: torch.device, *, min_elems: int = 1 << 12) -> None:
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self._bufs = [self._alloc(min_elems) for _ in range(RING)]
+        self._events: list[torch.cuda.Event | None] = [None] * RING
+        self._next = 0
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.int64, pin_memory=self.pinned)
+
+    def stage(self, parts: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The concatenation of `parts` (host int64 vectors) on the device, in `out`
+        (a device int64 tensor of that many elements) when given."""
+        total = sum(p.numel() for p in parts)
+        if not self.pinned:  # CPU: nothing to stage
+            flat = torch.cat(parts) if len(parts) != 1 else parts[0].reshape(-1)
+            if out is None:
+                return flat.clone()
+            return out.copy_(flat)
+        i = self._next
+        self._next = (i + 1) % RING
+        ev = self._events[i]
+        if ev is not None:
+            ev.synchronize()  # its last copy must have been read before the buffer is reused
+        if self._bufs[i].numel() < total:
+            self._bufs[i] = self._alloc(max(total, 2 * self._bufs[i].numel()))
+        buf = self._bufs[i][:total]
+        torch.cat([p.reshape(-1) for p in parts], out=buf)
+        if out is None:
+            out = torch.empty(total, dtype=torch.int64, device=self.device)
+        out.copy_(buf, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self._events[i] = ev
+        return out
+
+
+class DeviceSlotTable:
+    """See the module docstring."""
+
+    def __init__(self, num_rows: int, width: int, *, pad_slot: int, device: torch.device) -> None:
+        if num_rows < 1 or width < 1:
+            raise ValueError(f"a slot table needs rows and width, got {num_rows} x {width}")
+        self.num_rows = num_rows
+        self.width = width
+        self.pad_row = num_rows
+        self.pad_slot = pad_slot
+        self.device = device
+        self.table = torch.zeros(num_rows + 1, width, dtype=torch.int32, device=device)
+        self.table[self.pad_row, 0] = pad_slot
+        self.stager = PinnedStager(device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.table.numel() * self.table.element_size()
+
+    def update(
+        self,
+        row_ids: list[int],
+        fresh: list[bool],
+        num_new_tokens: list[int],
+        seq_lens: list[int],
+        slot_tables: list[torch.Tensor],
+    ) -> None:
+        """Write what this step changed (see the module docstring)."""
+        rows: list[int] = []
+        starts: list[int] = []
+        slots: list[torch.Tensor] = []
+        for r, f, n, s, st in zip(row_ids, fresh, num_new_tokens, seq_lens, slot_tables,
+                                  strict=True):  # fmt: skip
+            if not 0 <= r < self.num_rows or s > self.width:
+                raise ValueError(f"row {r} / length {s} outside the {self.num_rows} x "
+                                 f"{self.width} slot table")  # fmt: skip
+            lo = 0 if f else s - n
+            rows.append(r)
+            starts.append(lo)
+            slots.append(st[lo:s])
+        counts = torch.tensor([t.shape[0] for t in slots], dtype=torch.int64)
+        num = int(counts.sum())
+        if num == 0:
+            return
+        if num == len(rows):  # one cell per entry (decode): no expansion
+            row_of, pos_of = torch.tensor(rows), torch.tensor(starts)
+        else:
+            row_of = torch.repeat_interleave(torch.tensor(rows), counts)
+            first = torch.cumsum(counts, 0) - counts
+            pos_of = torch.arange(num) - torch.repeat_interleave(first - torch.tensor(starts),
+                                                                 counts)  # fmt: skip
+        dev = self.stager.stage([row_of, pos_of, torch.cat(slots).long()])
+        self.table[dev[:num], dev[num : 2 * num]] = dev[2 * num :].to(torch.int32)

@@ -161,15 +161,24 @@ class ModelRunner:
             self.slot_table = DeviceSlotTable(max_num_rows, width, pad_slot=pad, device=self.device)
             log.info("slot table", rows=max_num_rows, width=width,
                      mib=round(self.slot_table.nbytes / 2**20, 1))  # fmt: skip
+        if self.backend == "flashinfer" and self.slot_table is None:
+            if attention_backend == "flashinfer":  # its page lists come from the table
+                raise ValueError("the flashinfer backend needs a slot table (max_num_rows)")
+            self.backend = "triton"
         self.flashinfer = None
         if self.backend == "flashinfer":
             from shunter.kernels.attention_flashinfer import FlashInferAttention
 
             c = self.config
+            ps = kv_pool.page_size
+            # page ids of one graph replay: rows may share prefix pages, so bound by
+            # what max_bs rows of full context can name, not by the pool
+            width = max_context_len or c.max_position_embeddings
+            replay_pages = (cuda_graph_max_bs or 0) * -(-width // ps)
             self.flashinfer = FlashInferAttention(
                 num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                page_size=kv_pool.page_size, dtype=self.dtype, device=self.device,
-                max_num_pages=kv_pool.num_pages + 1,
+                page_size=ps, dtype=self.dtype, device=self.device,
+                max_num_pages=max(kv_pool.num_pages + 1, replay_pages),
             )  # fmt: skip
         self.graphs = None
         if cuda_graph_max_bs is not None and (self.backend != "torch" or capture is False):
@@ -315,7 +324,7 @@ class ModelRunner:
         rows = self.stager.stage([torch.tensor(inp.row_ids)])
         n = inp.num_new_tokens
         ps = self.kv_pool.page_size
-        kv_indptr, last_len = fi.paged_kv_layout(inp.seq_lens, ps)
+        kv_indptr, last_len = fi.kv_page_layout(inp.seq_lens, ps)
         indices = fi.kv_page_indices(table.table, rows, inp.seq_lens, ps)
         kv = (self.kv_pool.k_buffers, self.kv_pool.v_buffers)
         sw = self.config.sliding_window
@@ -323,7 +332,7 @@ class ModelRunner:
             self.flashinfer.plan_decode(kv_indptr, indices, last_len, sliding_window=sw)
             mode = "decode"
         else:
-            qo_indptr = torch.tensor([0, *n], dtype=torch.int32).cumsum(0).to(torch.int32)
+            qo_indptr = fi.extend_qo_indptr(n)
             self.flashinfer.plan_extend(qo_indptr, kv_indptr, indices, last_len, sliding_window=sw)
             mode = "extend"
         return AttentionContext(*kv, out_slots, None, None, None, None,
@@ -335,7 +344,7 @@ class ModelRunner:
 
         assert self.slot_table is not None
         ps = self.kv_pool.page_size
-        kv_indptr, last_len = fi.paged_kv_layout(lens, ps)
+        kv_indptr, last_len = fi.kv_page_layout(lens, ps)
         indices = fi.kv_page_indices(self.slot_table.table, rows, lens, ps)
         wrapper.plan(kv_indptr, indices, last_len, sliding_window=self.config.sliding_window)
 

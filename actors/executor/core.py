@@ -1,4 +1,5 @@
-"""ExecutorCore: the executor's row mirror, one forward and one sample per ForwardBatch.
+"""ExecutorCore: the executor's row mirror, one forward and one sample per ForwardBatch,
+with the next step's forward launched before the previous step's tokens are read.
 
 Theory of operation
 -------------------
@@ -10,7 +11,7 @@ A ForwardBatch carries only diffs: `closes` (rows released before this step), `o
 tokens, start position, input ids, pages appended, whether to sample). So the
 mirror is a pure function of the batches received, and a recorded log replays it.
 
-`handle(batch)` does, in order:
+`submit(batch)` does, in order:
 1. plan (core_plan.py): check the whole batch against the mirror WITHOUT changing it
    (unknown row, start_pos != KV length, page overflow, page or token id out of
    range, LAST_SAMPLED without a pending sample, bad sampling parameters, ...). A
@@ -18,12 +19,23 @@ mirror is a pure function of the batches received, and a recorded log replays it
    its closes apply (closing is idempotent: closing an unknown row is counted, not an
    error). A batch with no entries (row diffs only) runs no forward.
 2. stage: write the new pages' slots into the row tables (positions past each row's
-   KV length, which nothing reads yet) and build the runner's ForwardInput.
-3. forward: logits for the last token of every sampling entry (and for every token of
-   entries that asked for prompt logprobs).
+   KV length, which nothing reads yet) and build the runner's ForwardInput. An input
+   LAST_SAMPLED whose token is still on the device is gathered there from
+   `_last_tokens` (one int64 per row, on the model's device).
+3. forward: launch the logits for the last token of every sampling entry (and for
+   every token of entries that asked for prompt logprobs).
 4. commit: apply closes and opens, advance KV lengths and page counts.
-5. sample every sampling entry (see sampling.py) and record its token as the row's
-   pending LAST_SAMPLED.
+5. finish the previously submitted step: wait for its tokens on the host (pinned
+   copies and a CUDA event; on the CPU they are already there), then record each
+   token as its row's pending LAST_SAMPLED (unless the row fed it back in step 4),
+   feed it to the penalty counts, and build that step's StepResult.
+6. launch this step's sample (sampling.sample_on_device), scatter its tokens into
+   `_last_tokens`, mark its rows in flight, and start the copies to the host.
+So on a GPU step N+1's forward is queued behind step N's sample before step N's
+tokens reach the host, and step N+1's sample sees every host state step N changed
+(penalty and min_new_tokens counts, generators) exactly as the one-step-at-a-time
+order would: the results are the same, token for token. `flush()` finishes the step
+in flight; `step(batch)` is submit then flush; `handle` calls `step`.
 
 Row tables: `_pages` [max_rows, max_pages_per_row] int64 holds page ids and `_slots`
 [max_rows, max_context_len] int64 the flat KV slot of every token position
@@ -36,20 +48,33 @@ Invariants
 - For every row: num_tokens <= num_pages * page_size <= max_context_len rounded up to
   a page, and _slots[row, :num_tokens] are the slots of its tokens.
 - A row has a pending sample iff it sampled since its last fed token; LAST_SAMPLED is
-  accepted only as the first input of such a row's entry.
+  accepted only as the first input of such a row's entry. The sample's value is on
+  the host (row.pending) or, while its step is in flight, only in _last_tokens
+  (row.inflight); at most one step is in flight, so finishing it leaves none.
+- Every submitted batch gets exactly one StepResult, in submission order. A step whose
+  input gathered a token of a step that then failed to finish fails too.
 - The core reads no clock, environment or randomness of its own (seeds come in RowOpen).
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass, field
 
 import msgspec
 import torch
 
-from shunter.actors.executor.core_plan import Entry, Geometry, Row, StepFailed, plan_batch
+from shunter.actors.executor.core_plan import (
+    Entry,
+    Geometry,
+    LogitsLayout,
+    Row,
+    StepFailed,
+    logits_layout,
+    plan_batch,
+    prompt_logprobs,
+)
 from shunter.actors.executor.runner import ForwardInput
-from shunter.actors.executor.sampling import sample, token_logprobs
+from shunter.actors.executor.sampling import DeviceSample, sample_on_device, sample_results
 from shunter.bus.messages import ForwardBatch, Msg, StepResult, TopLogprob
 
 Inbox = ForwardBatch
@@ -64,6 +89,19 @@ class ExecutorStats(msgspec.Struct, frozen=True):
     num_sampled: int
     num_unknown_closes: int  # closes of rows that were not open (idempotent no-ops)
     last_error: str | None
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A submitted step whose result is not out yet."""
+
+    step_id: int
+    done: StepResult | None = None  # its result, when nothing is left to wait for
+    rows: list[Row] = field(default_factory=list)  # rows that sampled, in batch order
+    row_ids: list[int] = field(default_factory=list)
+    sample: DeviceSample | None = None  # host copies; valid once `event` completed
+    prompt_lp: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> host copy
+    event: torch.cuda.Event | None = None  # recorded after the copies (CUDA only)
 
 
 class ExecutorCore:
@@ -89,12 +127,17 @@ class ExecutorCore:
                                  self.max_context_len, max_num_rows, self.eos_token_ids)  # fmt: skip
         self.max_pages_per_row = self.geometry.max_pages_per_row
         self._rows: dict[int, Row] = {}
+        # rows opened that have run no entry yet (the runner copies their whole slot table)
+        self._unsynced: set[int] = set()
         self._pages = torch.zeros(0, self.max_pages_per_row, dtype=torch.int64)
         self._slots = (
             self._pages
             if self.page_size == 1
             else torch.zeros(0, self.max_context_len, dtype=torch.int64)
         )
+        device = torch.device(getattr(runner, "device", "cpu"))
+        self._last_tokens = torch.zeros(max_num_rows, dtype=torch.int64, device=device)
+        self._inflight: _InFlight | None = None
         self._num_steps = self._num_failed = self._num_tokens = self._num_sampled = 0
         self._num_unknown_closes = 0
         self._last_error: str | None = None
@@ -108,22 +151,49 @@ class ExecutorCore:
         return []
 
     def step(self, batch: ForwardBatch) -> StepResult:
+        """Run `batch` to its result (submit, then flush)."""
+        if self._inflight is not None:
+            raise RuntimeError("step() while a submitted step is unfinished: flush() first")
+        (result,) = self.submit(batch) + self.flush()
+        return result
+
+    def submit(self, batch: ForwardBatch) -> list[StepResult]:
+        """Launch `batch` (steps 1-4 and 6), finishing the step submitted before it in
+        between (step 5); returns that step's result, [] if there was none."""
         self._num_steps += 1
+        prev, self._inflight = self._inflight, None
+        launched = self._forward(batch)
+        out = [] if prev is None else [self._finish(prev)]
+        if isinstance(launched, StepResult):
+            self._inflight = _InFlight(batch.step_id, done=launched)
+            return out
+        entries, layout, logits = launched
+        if out and out[0].error is not None and any(e.from_device for e in entries):
+            why = StepFailed(f"LAST_SAMPLED of a row whose step {out[0].step_id} failed")
+            self._inflight = _InFlight(batch.step_id, done=self._fail(batch.step_id, why))
+            return out
         try:
-            entries, opened = plan_batch(batch, self._rows, self.geometry)
-            if not entries:  # only row diffs (e.g. closes while nothing runs): no forward
-                self._commit(batch, entries, opened)
-                return StepResult(step_id=batch.step_id, rows=[], token_ids=[])
-            inp = self._stage(batch, entries, opened)
-            logits = self.runner.forward(inp)  # [num_logits, V] float32
-        except Exception as e:  # malformed batch or a failed forward: the step fails
-            self._close(batch.closes)
-            return self._fail(batch, e)
-        self._commit(batch, entries, opened)
-        try:
-            return self._sample(batch, entries, logits)
+            self._inflight = self._sample(batch.step_id, layout, logits)
         except Exception as e:  # the rows of this step fail; the mirror stays consistent
-            return self._fail(batch, e)
+            self._inflight = _InFlight(batch.step_id, done=self._fail(batch.step_id, e))
+        return out
+
+    def flush(self) -> list[StepResult]:
+        """Finish the step in flight: its result, or [] if none was submitted."""
+        prev, self._inflight = self._inflight, None
+        return [] if prev is None else [self._finish(prev)]
+
+    def step_ready(self) -> bool:
+        """Whether flush() would return without waiting for the device."""
+        f = self._inflight
+        return f is None or f.event is None or f.event.query()
+
+    def wait_step_ready(self) -> None:
+        """Block until flush() would not wait for the device. Changes nothing, so it
+        may run in another thread while the core is idle (and be left running)."""
+        f = self._inflight
+        if f is not None and f.event is not None:
+            f.event.synchronize()
 
     def statistics(self) -> ExecutorStats:
         return ExecutorStats(
@@ -140,15 +210,33 @@ class ExecutorCore:
         """row -> (num_tokens, num_pages), for tests and debugging."""
         return {i: (r.num_tokens, r.num_pages) for i, r in self._rows.items()}
 
-    def _fail(self, batch: ForwardBatch, e: Exception) -> StepResult:
+    def _forward(
+        self, batch: ForwardBatch
+    ) -> StepResult | tuple[list[Entry], LogitsLayout, torch.Tensor]:
+        """Steps 1-4: (entries, logits being computed), or the step's final result."""
+        try:
+            entries, opened = plan_batch(batch, self._rows, self.geometry)
+            if not entries:  # only row diffs (e.g. closes while nothing runs): no forward
+                self._commit(batch, entries, opened)
+                return StepResult(step_id=batch.step_id, rows=[], token_ids=[])
+            layout = logits_layout(entries)
+            inp = self._stage(batch, entries, opened, layout.indices)
+            logits = self.runner.forward(inp)  # [num_logits, V] float32
+        except Exception as e:  # malformed batch or a failed forward: the step fails
+            self._close(batch.closes)
+            return self._fail(batch.step_id, e)
+        self._commit(batch, entries, opened)
+        return entries, layout, logits
+
+    def _fail(self, step_id: int, e: Exception) -> StepResult:
         self._num_failed += 1
         kind = (
             "malformed batch"
             if isinstance(e, StepFailed)
             else f"forward failed ({type(e).__name__})"
         )
-        self._last_error = f"step {batch.step_id}: {kind}: {e}"
-        return StepResult(step_id=batch.step_id, rows=[], token_ids=[], error=self._last_error)
+        self._last_error = f"step {step_id}: {kind}: {e}"
+        return StepResult(step_id=step_id, rows=[], token_ids=[], error=self._last_error)
 
     # ---- 2. stage -------------------------------------------------------------------
 
@@ -165,7 +253,9 @@ class ExecutorCore:
                 [self._slots, self._slots.new_zeros(grow, self._slots.shape[1])]
             )
 
-    def _stage(self, b: ForwardBatch, entries: list[Entry], opened: dict[int, Row]) -> ForwardInput:
+    def _stage(
+        self, b: ForwardBatch, entries: list[Entry], opened: dict[int, Row], logits_idx: list[int]
+    ) -> ForwardInput:
         self._ensure_rows(max(max(b.rows), max(opened, default=0)))
         ps = self.page_size
         for o in b.opens:  # prefix pages and their tokens' slots
@@ -200,31 +290,46 @@ class ExecutorCore:
                 self._pages[token_rows, positions // ps] * ps + positions % ps
             )
 
-        logits_idx: list[int] = []
-        off = 0
-        for e in entries:
-            if e.prompt_lp_from >= 0:
-                logits_idx += range(off + _first_lp_pos(e) - e.start, off + len(e.ids))
-            elif e.sample:
-                logits_idx.append(off + len(e.ids) - 1)
-            off += len(e.ids)
         seq_lens = [e.start + len(e.ids) for e in entries]
         slots = self._slots
         return ForwardInput(
-            input_ids=torch.tensor([t for e in entries for t in e.ids]) if num_tokens > len(entries)
-            else torch.tensor([e.ids[0] for e in entries]),
+            input_ids=self._input_ids(entries, num_tokens),
             positions=positions,
             num_new_tokens=list(b.num_new_tokens),
             seq_lens=seq_lens,
             slot_tables=[slots[e.row_idx, :sl] for e, sl in zip(entries, seq_lens)],
             logits_indices=torch.tensor(logits_idx, dtype=torch.int64),
             checked=True,  # plan_batch checked the batch against the row mirror
+            row_ids=[e.row_idx for e in entries],
+            fresh=[e.row_idx in opened or e.row_idx in self._unsynced for e in entries],
         )  # fmt: skip
+
+    def _input_ids(self, entries: list[Entry], num_tokens: int) -> torch.Tensor:
+        """[num_tokens] int64 new tokens; on the model's device when an entry's first
+        token is a sample still there (gathered from _last_tokens, no host read)."""
+        if num_tokens == len(entries):  # all decode: one token per entry
+            ids = torch.tensor([e.ids[0] for e in entries])
+            firsts = list(range(len(entries)))
+        else:
+            ids = torch.tensor([t for e in entries for t in e.ids])
+            firsts, off = [], 0
+            for e in entries:
+                firsts.append(off)
+                off += len(e.ids)
+        gather = [(f, e.row_idx) for f, e in zip(firsts, entries) if e.from_device]
+        if not gather:
+            return ids
+        dev = self._last_tokens.device
+        ids = ids.to(dev)
+        at = torch.tensor([f for f, _ in gather], device=dev)
+        ids[at] = self._last_tokens[torch.tensor([r for _, r in gather], device=dev)]
+        return ids
 
     # ---- 4. commit ------------------------------------------------------------------
 
     def _close(self, closes: list[int]) -> None:
         for row_idx in closes:
+            self._unsynced.discard(row_idx)
             if self._rows.pop(row_idx, None) is None:
                 self._num_unknown_closes += 1
 
@@ -233,94 +338,93 @@ class ExecutorCore:
         for o in b.opens:
             row = opened[o.row_idx]
             self._rows[o.row_idx] = row
+            self._unsynced.add(o.row_idx)
             row.sampling.observe_prompt(o.prefix_token_ids)
             if o.num_output_tokens:
                 row.resume_ids = list(o.prefix_token_ids)
                 row.num_resumed = o.num_output_tokens
         for e, k in zip(entries, b.num_new_pages):
             row = self._rows[e.row_idx]
+            self._unsynced.discard(e.row_idx)
             row.num_tokens += len(e.ids)
             row.num_pages += k
             if row.sampling.params.repetition_penalty != 1.0:
-                # The pending sample was observed as output when it was drawn.
-                row.sampling.observe_prompt(e.ids[1:] if row.pending is not None else e.ids)
+                # The pending sample is observed as output when its step finishes.
+                fed_back = row.pending is not None or row.inflight
+                row.sampling.observe_prompt(e.ids[1:] if fed_back else e.ids)
             row.pending = None
+            row.inflight = False
             if row.resume_ids is not None:
                 row.resume_ids += e.ids
         self._num_tokens += len(b.input_ids)
 
-    # ---- 5. sample ------------------------------------------------------------------
+    # ---- 5. finish the previous step, 6. sample ---------------------------------------
 
-    def _sample(self, b: ForwardBatch, entries: list[Entry], logits: torch.Tensor) -> StepResult:
-        sample_rows: list[int] = []
-        sample_logit_idx: list[int] = []
-        prompt_logprobs: dict[int, list[float]] = {}
-        off = 0
-        for e in entries:
-            n = len(e.ids)
-            if e.prompt_lp_from >= 0:
-                k = e.start + n - _first_lp_pos(e)
-                prompt_logprobs[e.row_idx] = self._prompt_logprobs(e, logits[off : off + k])
-                off += k
-                if e.sample:
-                    sample_rows.append(e.row_idx)
-                    sample_logit_idx.append(off - 1)
-            elif e.sample:
-                sample_rows.append(e.row_idx)
-                sample_logit_idx.append(off)
-                off += 1
-        if not sample_rows:
-            return StepResult(b.step_id, [], [], prompt_logprobs=prompt_logprobs)
+    def _sample(self, step_id: int, layout: LogitsLayout, logits: torch.Tensor) -> _InFlight:
+        """Step 6: launch the sample of every sampling entry, and the prompt logprobs."""
+        prompt_lp = {
+            e.row_idx: prompt_logprobs(e, self._rows[e.row_idx], logits[lo:hi])
+            for e, lo, hi in layout.prompt_at
+        }
+        sample_rows, sample_logit_idx = layout.sample_rows, layout.sample_at
         rows = [self._rows[r] for r in sample_rows]
-        for row in rows:
-            if row.resume_ids is not None:  # first sample of a resumed request
-                row.sampling.resume(row.resume_ids[len(row.resume_ids) - row.num_resumed :])
-                row.resume_ids = None
-        picked = (
-            logits
-            if len(sample_logit_idx) == logits.shape[0]
-            else logits[torch.tensor(sample_logit_idx)]
-        )
-        out = sample(picked, [r.sampling for r in rows])
-        for row, t in zip(rows, out.token_ids):
-            row.pending = t
-            row.has_sampled = True
-            row.prompt_lp = None
+        ds: DeviceSample | None = None
+        if rows:
+            for row in rows:
+                if row.resume_ids is not None:  # first sample of a resumed request
+                    row.sampling.resume(row.resume_ids[len(row.resume_ids) - row.num_resumed :])
+                    row.resume_ids = None
+            dev = logits.device
+            picked = (
+                logits
+                if len(sample_logit_idx) == logits.shape[0]
+                else logits[torch.tensor(sample_logit_idx, device=dev)]
+            )
+            ds = sample_on_device(picked, [r.sampling for r in rows])
+            self._last_tokens[torch.tensor(sample_rows, device=dev)] = ds.tokens
+            for row in rows:
+                row.pending = None
+                row.inflight = True
+                row.has_sampled = True
+                row.prompt_lp = None
+            self._num_sampled += len(rows)
+        # Start the copies to the host now: the stream reaches them before the next
+        # step's forward, whose launch overlaps the wait for them.
+        nb = logits.device.type == "cuda"
+        f = _InFlight(step_id, rows=rows, row_ids=sample_rows,
+                      sample=None if ds is None else ds.to_host(non_blocking=nb),
+                      prompt_lp={r: t.to("cpu", non_blocking=nb) for r, t in prompt_lp.items()})  # fmt: skip
+        if nb:
+            f.event = torch.cuda.Event()
+            f.event.record()
+        return f
+
+    def _finish(self, f: _InFlight) -> StepResult:
+        """Step 5: wait for f's tokens and apply what the host keeps of them."""
+        if f.done is not None:
+            return f.done
+        try:
+            if f.event is not None:
+                f.event.synchronize()
+            samplings = [r.sampling for r in f.rows]
+            out = sample_results(f.sample, samplings) if f.sample is not None else None
+            prompt_logprobs = {r: t.tolist() for r, t in f.prompt_lp.items()}
+        except Exception as e:  # a device error surfaces here: its rows have no sample
+            for row in f.rows:
+                row.inflight = False
+            return self._fail(f.step_id, e)
+        if out is None:
+            return StepResult(f.step_id, [], [], prompt_logprobs=prompt_logprobs)
+        for row, t in zip(f.rows, out.token_ids):
+            if row.inflight:  # not fed back yet by the step submitted after it
+                row.pending = t
+                row.inflight = False
             row.sampling.observe_output(t)
-        self._num_sampled += len(rows)
         return StepResult(
-            step_id=b.step_id,
-            rows=sample_rows,
+            step_id=f.step_id,
+            rows=f.row_ids,
             token_ids=out.token_ids,
             logprobs=out.logprobs,
             top_logprobs=[[TopLogprob(t, lp) for t, lp in top] for top in out.top_logprobs],
             prompt_logprobs=prompt_logprobs,
         )
-
-    def _prompt_logprobs(self, e: Entry, logits: torch.Tensor) -> list[float]:
-        """Logprobs of this entry's prompt tokens at positions max(prompt_lp_from, start)
-        .. end - 1.
-
-        logits: [k, V] float32 at positions _first_lp_pos(e) .. end - 1; logits at
-        position p score the token at p + 1. The entry's first token is scored by the
-        previous chunk's last logits when this row computed them (kept in row.prompt_lp),
-        else NaN (position 0, or a prefix that came from the cache)."""
-        row = self._rows[e.row_idx]
-        end = e.start + len(e.ids)
-        lo = max(e.prompt_lp_from, e.start)
-        values: list[float] = []
-        if lo == e.start < end:
-            values.append(math.nan if row.prompt_lp is None else float(row.prompt_lp[e.ids[0]]))
-        q0 = max(lo, e.start + 1)  # first position scored by this entry's own logits
-        if q0 < end:
-            first = _first_lp_pos(e)
-            scored = logits[q0 - 1 - first : end - 1 - first]  # [end - q0, V]
-            values += token_logprobs(scored, torch.tensor(e.ids[q0 - e.start :]))
-        # Keep the last position's distribution for the next chunk (a sample ends the prompt).
-        row.prompt_lp = None if e.sample else torch.log_softmax(logits[-1], dim=-1)
-        return values
-
-
-def _first_lp_pos(e: Entry) -> int:
-    """First position whose logits a prompt-logprob entry needs (the last one always)."""
-    return min(max(e.start, e.prompt_lp_from - 1), e.start + len(e.ids) - 1)

@@ -1,20 +1,29 @@
-"""Planning a ForwardBatch against the executor's row mirror, without changing it.
+"""Planning a ForwardBatch against the executor's row mirror, without changing it, and
+the layout of the logits its forward returns.
 
 Theory of operation: `plan_batch` checks a whole batch before anything is applied
 (see core.py, step 1) and returns the entries to run, with their input ids resolved
-(LAST_SAMPLED -> the row's pending sample), and the rows the batch opens (not yet in
+(LAST_SAMPLED -> the row's pending sample when the host knows it; when that sample is
+still in flight on the device, the id stays LAST_SAMPLED and the entry is marked
+`from_device`: the core gathers it there), and the rows the batch opens (not yet in
 the mirror). Any inconsistency raises StepFailed naming the entry and the reason, so
-a malformed batch fails its step and leaves the mirror as it was.
+a malformed batch fails its step and leaves the mirror as it was. `logits_layout`
+says which token positions the forward returns logits for and which entry reads
+each; `prompt_logprobs` turns a prompt-logprob entry's logits into its values.
 
 Invariants: plan_batch reads `rows` and never mutates it or the Row objects in it.
+An entry's ids hold LAST_SAMPLED only as ids[0], and only when it is `from_device`.
 """
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import msgspec
 import torch
 
-from shunter.actors.executor.sampling import RowSampling, validate_params
+from shunter.actors.executor.sampling import RowSampling, raw_logprobs, validate_params
 from shunter.bus.messages import LAST_SAMPLED, ForwardBatch
 
 
@@ -36,14 +45,18 @@ class Geometry(msgspec.Struct, frozen=True):
 class Row:
     """The executor's mirror of one scheduler row (mutated only by ExecutorCore)."""
 
-    __slots__ = ("has_sampled", "num_pages", "num_resumed", "num_tokens", "pending", "prompt_lp",
-                 "resume_ids", "sampling")  # fmt: skip
+    __slots__ = ("has_sampled", "inflight", "num_pages", "num_resumed", "num_tokens", "pending",
+                 "prompt_lp", "resume_ids", "sampling")  # fmt: skip
 
     def __init__(self, num_tokens: int, num_pages: int, sampling: RowSampling) -> None:
         self.num_tokens = num_tokens  # tokens with KV
         self.num_pages = num_pages
         self.sampling = sampling
         self.pending: int | None = None  # sampled, not yet fed back: what LAST_SAMPLED means
+        # Sampled, not yet fed back, and the token is still on the device (its step is
+        # launched, not finished): LAST_SAMPLED is valid, its value is in the core's
+        # device table of last tokens. At most one of pending / inflight is set.
+        self.inflight = False
         self.has_sampled = False
         # [V] float32 logprobs at the last computed prompt position, kept between prefill
         # chunks for rows that want prompt logprobs (they score the next chunk's first token).
@@ -63,6 +76,7 @@ class Entry(msgspec.Struct):
     base_pages: int  # pages the row holds before this entry's new ones
     sample: bool
     prompt_lp_from: int  # first position whose prompt logprob this entry reports; -1: none
+    from_device: bool = False  # ids[0] is LAST_SAMPLED of a sample still on the device
 
 
 class StepFailed(ValueError):
@@ -143,13 +157,18 @@ def plan_batch(
                 f"entry {i}: page overflow: row {row_idx} needs {end} slots in "
                 f"{row.num_pages + num_new_pages} pages of {g.page_size}"
             )
+        from_device = False
         if ids[0] == LAST_SAMPLED:
-            if row.pending is None:
+            if row.pending is not None:
+                ids = [row.pending, *ids[1:]]
+            elif row.inflight:
+                from_device = True
+            else:
                 raise StepFailed(
                     f"entry {i}: LAST_SAMPLED for row {row_idx}, which has no pending sample"
                 )
-            ids = [row.pending, *ids[1:]]
-        if min(ids) < 0 or max(ids) >= g.vocab_size:
+        known = ids[1:] if from_device else ids
+        if known and (min(known) < 0 or max(known) >= g.vocab_size):
             raise StepFailed(
                 f"entry {i}: input id outside [0, {g.vocab_size})"
                 + (" (LAST_SAMPLED is only valid first)" if LAST_SAMPLED in ids else "")
@@ -157,6 +176,66 @@ def plan_batch(
         start_lp = row.sampling.params.logprob_start_len
         lp_from = max(start_lp, row.num_tokens) if start_lp >= 0 and not row.has_sampled else -1
         entries.append(
-            Entry(row_idx, row.num_tokens, ids, row.num_pages, b.sample[i], lp_from)
+            Entry(row_idx, row.num_tokens, ids, row.num_pages, b.sample[i], lp_from, from_device)
         )  # fmt: skip
     return entries, opened
+
+
+def first_lp_pos(e: Entry) -> int:
+    """First position whose logits a prompt-logprob entry needs (the last one always)."""
+    return min(max(e.start, e.prompt_lp_from - 1), e.start + len(e.ids) - 1)
+
+
+class LogitsLayout(NamedTuple):
+    """Which logits a planned batch's forward returns, and who reads them."""
+
+    indices: list[int]  # token-axis rows (of the flat new tokens) to compute logits for
+    sample_rows: list[int]  # rows that sample, in batch order
+    sample_at: list[int]  # each sampling row's row in the returned logits
+    prompt_at: list[tuple[Entry, int, int]]  # prompt-logprob entries: [lo, hi) of logits
+
+
+def logits_layout(entries: list[Entry]) -> LogitsLayout:
+    """The last token of every sampling entry; every token from first_lp_pos on for
+    entries that report prompt logprobs (their last one also serves the sample)."""
+    out = LogitsLayout([], [], [], [])
+    tok = 0  # offset of the entry's first new token
+    for e in entries:
+        n = len(e.ids)
+        if e.prompt_lp_from >= 0:
+            lo = len(out.indices)
+            out.indices.extend(range(tok + first_lp_pos(e) - e.start, tok + n))
+            out.prompt_at.append((e, lo, len(out.indices)))
+        elif e.sample:
+            out.indices.append(tok + n - 1)
+        if e.sample:
+            out.sample_rows.append(e.row_idx)
+            out.sample_at.append(len(out.indices) - 1)
+        tok += n
+    return out
+
+
+def prompt_logprobs(e: Entry, row: Row, logits: torch.Tensor) -> torch.Tensor:
+    """[n] float32 on logits' device: logprobs of this entry's prompt tokens at
+    positions max(prompt_lp_from, start) .. end - 1.
+
+    logits: [k, V] float32 at positions first_lp_pos(e) .. end - 1; logits at
+    position p score the token at p + 1. The entry's first token is scored by the
+    previous chunk's last logits when this row computed them (kept in row.prompt_lp),
+    else NaN (position 0, or a prefix that came from the cache). Updates row.prompt_lp."""
+    end = e.start + len(e.ids)
+    lo = max(e.prompt_lp_from, e.start)
+    parts: list[torch.Tensor] = []
+    if lo == e.start < end:
+        if row.prompt_lp is None:
+            parts.append(torch.full((1,), math.nan, device=logits.device))
+        else:
+            parts.append(row.prompt_lp[e.ids[0]].reshape(1))
+    q0 = max(lo, e.start + 1)  # first position scored by this entry's own logits
+    if q0 < end:
+        first = first_lp_pos(e)
+        scored = logits[q0 - 1 - first : end - 1 - first]  # [end - q0, V]
+        parts.append(raw_logprobs(scored, torch.tensor(e.ids[q0 - e.start :])))
+    # Keep the last position's distribution for the next chunk (a sample ends the prompt).
+    row.prompt_lp = None if e.sample else torch.log_softmax(logits[-1], dim=-1)
+    return torch.cat(parts) if parts else logits.new_empty(0)

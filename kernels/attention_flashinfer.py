@@ -32,9 +32,9 @@ Invariants:
   device has not read yet. Usually the event has long completed.
 - The graph decoders of one FlashInferAttention share one page-id buffer of
   max_num_pages: plan a graph decoder and replay its graph before planning another.
-- A graph is captured only after one eager `decode` on the same device (warm-up:
-  flashinfer caches small device buffers on first use, and a capture may not copy
-  from host memory).
+- A graph is captured only after one `decode` outside any capture on the same device
+  (a warm-up: flashinfer caches small device buffers on first use, and a capture may
+  not copy from host memory).
 - Entries have 1 <= kv_len, and for extend 1 <= num_new <= kv_len; the new tokens'
   K/V are in the pool before attention runs.
 """
@@ -50,7 +50,6 @@ import torch
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 # GQA group sizes flashinfer's CUDA-core decode kernel is compiled for (DISPATCH_GQA_GROUP_SIZE)
 CUDA_CORE_DECODE_GROUPS = (1, 2, 3, 4, 8)
-INT_WORKSPACE_BYTES = 8 << 20  # what each flashinfer wrapper allocates for itself
 
 
 def flashinfer_available() -> bool:

@@ -74,7 +74,13 @@ from shunter.actors.executor.core_plan import (
     prompt_logprobs,
 )
 from shunter.actors.executor.runner import ForwardInput
-from shunter.actors.executor.sampling import DeviceSample, sample_on_device, sample_results
+from shunter.actors.executor.sampling import (
+    DeviceSample,
+    device_tensor,
+    sample_on_device,
+    sample_results,
+    to_device,
+)
 from shunter.bus.messages import ForwardBatch, Msg, StepResult, TopLogprob
 
 Inbox = ForwardBatch
@@ -320,9 +326,9 @@ class ExecutorCore:
         if not gather:
             return ids
         dev = self._last_tokens.device
-        ids = ids.to(dev)
-        at = torch.tensor([f for f, _ in gather], device=dev)
-        ids[at] = self._last_tokens[torch.tensor([r for _, r in gather], device=dev)]
+        ids = to_device(ids, dev)
+        at = device_tensor([f for f, _ in gather], dev)
+        ids[at] = self._last_tokens[device_tensor([r for _, r in gather], dev)]
         return ids
 
     # ---- 4. commit ------------------------------------------------------------------
@@ -378,10 +384,10 @@ class ExecutorCore:
             picked = (
                 logits
                 if len(sample_logit_idx) == logits.shape[0]
-                else logits[torch.tensor(sample_logit_idx, device=dev)]
+                else logits[device_tensor(sample_logit_idx, dev)]
             )
             ds = sample_on_device(picked, [r.sampling for r in rows])
-            self._last_tokens[torch.tensor(sample_rows, device=dev)] = ds.tokens
+            self._last_tokens[device_tensor(sample_rows, dev)] = ds.tokens
             for row in rows:
                 row.pending = None
                 row.inflight = True

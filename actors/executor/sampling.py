@@ -43,8 +43,9 @@ Invariants
 - `RowSampling` is the only mutable state; `sample` mutates nothing but the generators.
 - A greedy row never consumes a random draw.
 - sample_on_device reads nothing back from the device, except one flag per top-p row
-  (which way its nucleus is sorted); every index and parameter tensor it builds is
-  on the logits' device.
+  (which way its nucleus is sorted), and never waits for it: every index and
+  parameter tensor it builds reaches the logits' device by an asynchronous copy
+  from pinned memory (to_device).
 """
 
 from __future__ import annotations
@@ -90,6 +91,23 @@ def validate_params(params: SamplingParams, vocab_size: int) -> str | None:
     if any(not math.isfinite(b) and b != -math.inf for b in p.logit_bias.values()):
         return "logit_bias values must be finite (or -inf to ban a token)"
     return None
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device. A plain copy to CUDA
+    synchronizes the stream (it would wait for the forward in flight), so it goes
+    through pinned memory, asynchronously; the caching host allocator keeps the pinned
+    block until the copy ran."""
+    if device.type != "cuda" or t.device == device:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def device_tensor(
+    values: Sequence, device: torch.device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """torch.tensor(values, dtype=dtype) on `device`, as to_device moves it."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 class RowSampling:
@@ -177,24 +195,24 @@ def apply_penalties(x: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tenso
             mask_t += row.masked_ids
     dev = x.device
     if rep_r:
-        r, t = torch.tensor(rep_r, device=dev), torch.tensor(rep_t, device=dev)
-        pen = torch.tensor(rep_p, dtype=x.dtype, device=dev)
+        r, t = device_tensor(rep_r, dev), device_tensor(rep_t, dev)
+        pen = device_tensor(rep_p, dev, x.dtype)
         v = x[r, t]  # [N]
         x[r, t] = torch.where(v > 0, v / pen, v * pen)
     if fp_r:
         x.index_put_(
-            (torch.tensor(fp_r, device=dev), torch.tensor(fp_t, device=dev)),
-            -torch.tensor(fp_v, dtype=x.dtype, device=dev),
+            (device_tensor(fp_r, dev), device_tensor(fp_t, dev)),
+            -device_tensor(fp_v, dev, x.dtype),
             accumulate=True,
         )
     if bias_r:
         x.index_put_(
-            (torch.tensor(bias_r, device=dev), torch.tensor(bias_t, device=dev)),
-            torch.tensor(bias_v, dtype=x.dtype, device=dev),
+            (device_tensor(bias_r, dev), device_tensor(bias_t, dev)),
+            device_tensor(bias_v, dev, x.dtype),
             accumulate=True,
         )
     if mask_r:
-        x[torch.tensor(mask_r, device=dev), torch.tensor(mask_t, device=dev)] = -math.inf
+        x[device_tensor(mask_r, dev), device_tensor(mask_t, dev)] = -math.inf
     return x
 
 
@@ -263,20 +281,20 @@ def _sample_group(x: torch.Tensor, rows: Sequence[RowSampling], sorted_path: boo
     """x: [G, V] processed logits of non-greedy rows -> [G] int64 token ids on x's
     device. Each row's uniform comes from its own (CPU) generator."""
     dev, dt = x.device, x.dtype
-    temps = torch.tensor([r.params.temperature for r in rows], dtype=dt, device=dev)
+    temps = device_tensor([r.params.temperature for r in rows], dev, dt)
     probs = torch.softmax(x / temps.unsqueeze(1), dim=-1)  # [G, V]
     num_vocab = x.shape[-1]
     ks = [r.params.top_k if 0 < r.params.top_k < num_vocab else num_vocab for r in rows]
-    top_k = torch.tensor(ks, device=dev)
+    top_k = device_tensor(ks, dev)
     kmax = max((k for k in ks if k < num_vocab), default=0)
     min_ps = [r.params.min_p for r in rows]
-    min_p = torch.tensor(min_ps, dtype=dt, device=dev)
+    min_p = device_tensor(min_ps, dev, dt)
     use_min_p = any(m > 0 for m in min_ps)
-    uniforms = torch.cat([torch.rand(1, generator=r.generator) for r in rows]).to(dev)  # [G]
+    uniforms = to_device(torch.cat([torch.rand(1, generator=r.generator) for r in rows]), dev)
     if not sorted_path:
         kept = truncate_probs(probs, top_k, None, min_p, kmax=kmax, use_min_p=use_min_p)
         return _draw(kept, uniforms)
-    top_p = torch.tensor([r.params.top_p for r in rows], dtype=dt, device=dev)
+    top_p = device_tensor([r.params.top_p for r in rows], dev, dt)
     # Sorting the whole vocabulary is the cost of top-p. When the NUCLEUS_CANDIDATES
     # most likely tokens already hold more than top_p (plus a margin for rounding), the
     # nucleus lies inside them, so sorting them alone (topk) gives the same kept set in
@@ -292,7 +310,7 @@ def _sample_group(x: torch.Tensor, rows: Sequence[RowSampling], sorted_path: boo
         sel_l = [i for i, n in enumerate(narrow) if n == is_narrow]
         if not sel_l:
             continue
-        sel = torch.tensor(sel_l, device=dev)  # [S]
+        sel = device_tensor(sel_l, dev)  # [S]
         if is_narrow:
             sorted_probs, order = cand[sel], cand_order[sel]
         else:
@@ -341,7 +359,7 @@ def sample_on_device(logits: torch.Tensor, rows: Sequence[RowSampling]) -> Devic
     else:
         tokens = torch.empty(len(rows), dtype=torch.int64, device=dev)
         if greedy:
-            g = torch.tensor(greedy, device=dev)
+            g = device_tensor(greedy, dev)
             tokens[g] = x[g].argmax(dim=-1)
         for sorted_path in (False, True):
             idx = [
@@ -352,13 +370,13 @@ def sample_on_device(logits: torch.Tensor, rows: Sequence[RowSampling]) -> Devic
             if len(idx) == len(rows):  # one group holds every row: no gather copy
                 tokens = _sample_group(x, rows, sorted_path)
             elif idx:
-                t = torch.tensor(idx, device=dev)
+                t = device_tensor(idx, dev)
                 tokens[t] = _sample_group(x[t], [rows[i] for i in idx], sorted_path)
 
     asked = [i for i, r in enumerate(rows) if r.wants_logprobs]
     if not asked:
         return DeviceSample(tokens, [], None, None, None)
-    a = torch.tensor(asked, device=dev)
+    a = device_tensor(asked, dev)
     lp = torch.log_softmax(logits[a], dim=-1)  # [A, V] raw model distribution
     chosen = lp.gather(1, tokens[a].unsqueeze(1)).squeeze(1)
     kmax = max(rows[i].params.top_logprobs_num for i in asked)
@@ -395,7 +413,7 @@ def raw_logprobs(logits: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
     """[N] float32 raw logprob of each next token on logits' device: logits [N, V]
     float32, next_ids [N] int64 (any device)."""
     lp = torch.log_softmax(logits, dim=-1)
-    return lp.gather(1, next_ids.to(logits.device).unsqueeze(1)).squeeze(1)
+    return lp.gather(1, to_device(next_ids, logits.device).unsqueeze(1)).squeeze(1)
 
 
 def token_logprobs(logits: torch.Tensor, next_ids: torch.Tensor) -> list[float]:

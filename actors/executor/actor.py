@@ -8,22 +8,32 @@ Theory of operation: loads the model and sizes the KV pool in a worker thread (s
 under a progress bar; `core` skips that when the caller already built one), subscribes
 to ForwardBatch, publishes `Ready(actor="executor", info=...)` (what the cache manager
 and scheduler size themselves from: num_pages, page_size, max_context_len, vocab_size,
-eos_token_ids as a comma-separated string), then runs every batch through
-`ExecutorCore.handle` in a worker thread, so the event loop keeps moving messages
-while the model computes, and publishes the StepResult stamped with the step's
-wall time in `forward_us`. Batches are handled one at a time, in arrival order (the
-core's mirror depends on that order). Runs until cancelled.
+eos_token_ids as a comma-separated string), then feeds every batch to
+`ExecutorCore.submit` in a worker thread, so the event loop keeps moving messages while
+the model computes. submit launches the batch and answers the one submitted before it,
+so while batches keep coming (the overlap scheduler sends step N+1 before it reads step
+N's result) each forward is launched before the previous step's tokens are read. When
+no further batch is waiting after a submit, the shell waits for whichever comes
+first: the next batch (submitted at once: the overlap goes on) or the device
+finishing the step in flight (`wait_step_ready`); then it calls `flush` and
+publishes that step's result, rather than holding it for a batch that may only come
+once the scheduler has it. On the CPU a step is done when submit returns, so there
+it flushes at once. Each StepResult is stamped with `forward_us`, the wall
+time from its batch's submit to its result. Runs until cancelled.
 
 A malformed batch or a failed forward is a StepResult with `error` (the core's job);
 a failure to load is actor-scoped: LoadError propagates to the supervisor.
 
-Invariants: one batch is in the core at a time, in arrival order; the core never runs
-on the event loop's thread; every ForwardBatch gets exactly one StepResult.
+Invariants: batches enter the core one at a time, in arrival order (the core's mirror
+depends on that order); the core never runs on the event loop's thread; every
+ForwardBatch gets exactly one StepResult, published in arrival order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections import deque
 
 import anyio
 import msgspec
@@ -36,6 +46,7 @@ from shunter.actors.executor.kv_pool import KVPool
 from shunter.actors.executor.loader import load_model
 from shunter.actors.executor.runner import ModelRunner
 from shunter.bus.messages import ForwardBatch, Ready, StepResult
+from shunter.bus.subscription import Subscription
 from shunter.bus.transport import Bus
 
 log = structlog.get_logger(actor="executor")
@@ -120,15 +131,70 @@ async def run(config: ExecutorConfig, bus: Bus, *, core: ExecutorCore | None = N
     async with bus.subscribe("sched.batch", types=(ForwardBatch,)) as sub:
         await bus.publish(Ready("executor", config.actor_id, ready_info(core)))
         log.info("executor ready", actor_id=config.actor_id)
-        async for received in sub:
-            batch = received.msg
-            assert isinstance(batch, ForwardBatch)
-            t0 = time.perf_counter_ns()
-            outs = await anyio.to_thread.run_sync(core.handle, batch)
-            forward_us = (time.perf_counter_ns() - t0) // 1000
-            for out in outs:
-                if isinstance(out, StepResult):
-                    if out.error is not None:
-                        log.warning("step failed", step_id=out.step_id, error=out.error)
-                    out = msgspec.structs.replace(out, forward_us=forward_us)
-                await bus.publish(out)
+        await _serve(core, sub, bus)
+
+
+async def _serve(core: ExecutorCore, sub: Subscription, bus: Bus) -> None:
+    """submit every batch; flush whenever no next batch is already waiting."""
+    submitted: deque[int] = deque()  # perf_counter_ns at the submit of each unanswered step
+    batch = await _receive(sub)
+    while batch is not None:
+        submitted.append(time.perf_counter_ns())
+        await _publish(bus, await anyio.to_thread.run_sync(core.submit, batch), submitted)
+        batch = _receive_nowait(sub) or await _receive_unless_ready(core, sub)
+        if batch is None:
+            await _publish(bus, await anyio.to_thread.run_sync(core.flush), submitted)
+            batch = await _receive(sub)
+
+
+async def _receive_unless_ready(core: ExecutorCore, sub: Subscription) -> ForwardBatch | None:
+    """The next batch if it arrives before the step in flight is done on the device,
+    else None (also once the subscription is closed). Receiving is cancellation-safe
+    (a message being handed over when the race ends stays queued)."""
+    if core.step_ready():
+        return None
+    got: list[ForwardBatch | None] = []
+    async with anyio.create_task_group() as tg:
+
+        async def ready() -> None:
+            # A device error is the step's: flush reports it in its StepResult.
+            with contextlib.suppress(Exception):
+                await anyio.to_thread.run_sync(core.wait_step_ready, abandon_on_cancel=True)
+            tg.cancel_scope.cancel()
+
+        async def arrives() -> None:
+            got.append(await _receive(sub))
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(ready)
+        tg.start_soon(arrives)
+    return got[0] if got else None
+
+
+async def _receive(sub: Subscription) -> ForwardBatch | None:
+    """The next batch, waiting for it; None once the subscription is closed."""
+    try:
+        msg = (await sub.receive()).msg
+    except (anyio.ClosedResourceError, anyio.EndOfStream):
+        return None
+    assert isinstance(msg, ForwardBatch)
+    return msg
+
+
+def _receive_nowait(sub: Subscription) -> ForwardBatch | None:
+    """The next batch if one is already queued, else None."""
+    try:
+        msg = sub.receive_nowait().msg
+    except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.EndOfStream):
+        return None
+    assert isinstance(msg, ForwardBatch)
+    return msg
+
+
+async def _publish(bus: Bus, results: list[StepResult], submitted: deque[int]) -> None:
+    now = time.perf_counter_ns()
+    for out in results:
+        forward_us = (now - submitted.popleft()) // 1000
+        if out.error is not None:
+            log.warning("step failed", step_id=out.step_id, error=out.error)
+        await bus.publish(msgspec.structs.replace(out, forward_us=forward_us))

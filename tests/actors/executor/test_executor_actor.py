@@ -1,5 +1,7 @@
 """The executor actor on the real in-process bus, under anyio: load (seeded dummy weights
-of a small Llama config), Ready, batches in, StepResults out."""
+of a small Llama config), Ready, batches in, StepResults out; and its overlap: with a
+step in flight and no batch queued, it waits for whichever comes first, the next batch
+(submitted at once) or the step being done on the device (then flushed)."""
 
 from __future__ import annotations
 
@@ -154,6 +156,57 @@ async def test_forward_runs_off_the_event_loop(config):
     assert released_by_test == [True]
     assert isinstance(res, StepResult) and res.error is None and res.rows == [0]
     assert res.forward_us > 0
+
+
+def overlap_batches() -> list[ForwardBatch]:
+    sp = SamplingParams(temperature=0.6, top_k=20, seed=None)
+    out = [ForwardBatch(step_id=0, opens=[RowOpen(0, "r0", [], 0, sp, 7)], rows=[0],
+                        num_new_tokens=[6], start_pos=[0], input_ids=[1, 5, 9, 13, 17, 21],
+                        new_pages=[0, 1], num_new_pages=[2], sample=[True])]  # fmt: skip
+    for step, pos in enumerate((6, 7, 8), start=1):
+        pages = [2] if pos == 8 else []
+        out.append(ForwardBatch(step_id=step, rows=[0], num_new_tokens=[1], start_pos=[pos],
+                                input_ids=[LAST_SAMPLED], new_pages=pages,
+                                num_new_pages=[len(pages)], sample=[True]))  # fmt: skip
+    return out
+
+
+@pytest.mark.anyio
+async def test_a_batch_arriving_before_the_device_is_done_is_submitted_first(config):
+    """The device is played by a gate the test opens: until then each step stays in
+    flight, and each next batch is submitted (answering the step before it)."""
+    core = build_core(config)
+    gate, waiting = threading.Event(), threading.Semaphore(0)
+
+    def wait_step_ready() -> None:  # the device, done when the test opens the gate
+        waiting.release()
+        gate.wait(timeout=30)
+
+    core.step_ready = gate.is_set
+    core.wait_step_ready = wait_step_ready
+    hub = InProcHub()
+    exec_bus, sched_bus = hub.connect("executor.0"), hub.connect("scheduler")
+    bs, got = overlap_batches(), []
+    async with anyio.create_task_group() as tg:
+        async with sched_bus.subscribe("sched.result", "health.ready") as sub:
+            tg.start_soon(lambda: run(config, exec_bus, core=core))
+            with anyio.fail_after(60):
+                assert isinstance((await sub.receive()).msg, Ready)
+                for b in bs:
+                    await sched_bus.publish(b)
+                    # in flight, nothing queued: the shell waits for a batch or the device
+                    await anyio.to_thread.run_sync(waiting.acquire)
+                    if b.step_id:  # the next submit answered the step before it
+                        got.append((await sub.receive()).msg)
+                assert not gate.is_set() and [r.step_id for r in got] == [0, 1, 2]
+                gate.set()  # the device finishes step 3: flushed
+                got.append((await sub.receive()).msg)
+        tg.cancel_scope.cancel()
+
+    assert [r.step_id for r in got] == [0, 1, 2, 3]
+    assert all(r.error is None and r.forward_us > 0 for r in got)
+    direct = build_core(config)
+    assert [r.token_ids for r in got] == [direct.step(b).token_ids for b in bs]
 
 
 @pytest.mark.parametrize(

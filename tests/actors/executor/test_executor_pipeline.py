@@ -9,6 +9,7 @@ import random
 
 import msgspec
 import pytest
+import torch
 
 from shunter.actors.executor import core as core_module
 from shunter.actors.executor.actor import build_core
@@ -228,3 +229,42 @@ def test_flush_with_nothing_submitted_and_step_with_a_step_in_flight(config):
         core.step(b.batch([(0, [LS])]))
     (res,) = core.flush()
     assert res.step_id == 0 and res.rows == [0]
+
+
+@pytest.fixture(params=[False, True], ids=["graphs", "eager"])
+def cuda_config(request, config) -> ExecutorConfig:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    return msgspec.structs.replace(
+        config, device="cuda", dtype="float32", disable_cuda_graph=request.param
+    )
+
+
+@pytest.mark.gpu
+def test_overlap_on_cuda_gives_the_results_of_one_step_at_a_time(cuda_config):
+    batches = overlap_batches()
+    sync = run_sync(build_core(cuda_config), batches)
+    assert [r.step_id for r in sync if r.error is not None] == [5], [r.error for r in sync]
+    assert encoded(run_pipelined(build_core(cuda_config), batches)) == encoded(sync)
+
+
+@pytest.mark.gpu
+def test_submitting_greedy_decode_steps_does_not_synchronize_the_device(cuda_config):
+    """Under torch's sync debug mode "error" any synchronizing call (a blocking copy,
+    .item(), .tolist() of a device tensor, nonzero) raises, and the step fails with it."""
+    core, b = build_core(cuda_config), Builder()
+    rows = range(8)
+    opens = [(r, f"r{r}", GREEDY, 0) for r in rows]
+    assert core.step(b.batch([(r, [5 + r, 6, 7]) for r in rows], opens=opens)).error is None
+    results = core.submit(b.batch([(r, [LS]) for r in rows]))  # warm-up: graphs, allocators
+    results += core.submit(b.batch([(r, [LS]) for r in rows]))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            results += core.submit(b.batch([(r, [LS]) for r in rows]))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    results += core.flush()
+    assert [r.error for r in results] == [None] * 6
+    assert all(r.rows == list(rows) for r in results)

@@ -67,7 +67,7 @@ def _reference_run() -> gp.Run:
 def test_smollm2_bf16_matches_reference(backend, graphs):
     if backend == "flashinfer" and not gp.flashinfer_available():
         pytest.skip("flashinfer does not import")
-    from shunter.actors.executor.actor import build_core
+    from shunter.actors.executor.build import build_core
     from shunter.actors.executor.config import ExecutorConfig
 
     core = build_core(ExecutorConfig(

@@ -135,10 +135,13 @@ def build_empty_model(
 
 @torch.no_grad()
 def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
-    """Seeded random weights: N(0, 0.02) for matrices and biases, 1 + N(0, 0.02) for norms."""
-    gen = torch.Generator().manual_seed(seed)
+    """Seeded random weights: N(0, 0.02) for matrices and biases, 1 + N(0, 0.02) for norms.
+    Drawn on the model's device (an 8B model's draw takes a minute on a CPU), so a seed
+    gives the same weights on every machine of one device type, not across types."""
+    dev = next(model.parameters()).device
+    gen = torch.Generator(device=dev).manual_seed(seed)
     for name, p in sorted(model.named_parameters()):
-        w = torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.02
+        w = torch.randn(p.shape, generator=gen, dtype=torch.float32, device=dev) * 0.02
         if "norm" in name:
             w += 1.0
         p.copy_(w)

@@ -128,7 +128,7 @@ def hf_greedy(model, prompts: Sequence[Sequence[int]], num_steps: int) -> Run:
         ids = torch.tensor([list(prompt)], device=device)
         top2 = []
         for _ in range(num_steps):
-            logits = model(ids).logits[0, -1].float()  # [vocab]
+            logits = model(ids, logits_to_keep=1).logits[0, -1].float()  # [vocab]
             top2.append(logits.topk(2))
             ids = torch.cat([ids, top2[-1].indices[:1].view(1, 1)], 1)
         vals = torch.stack([t.values for t in top2]).tolist()  # [num_steps, 2]

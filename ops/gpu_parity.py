@@ -302,7 +302,7 @@ def num_agree(ours: Run, ref: Run) -> tuple[int, int]:
 def flashinfer_available() -> bool:
     try:
         import flashinfer  # noqa: F401
-    except ImportError:
+    except (ImportError, OSError, RuntimeError):  # absent, or built for another CUDA
         return False
     return True
 

@@ -38,76 +38,15 @@ from collections import deque
 import anyio
 import msgspec
 import structlog
-import torch
 
+from shunter.actors.executor.build import build_core
 from shunter.actors.executor.config import ExecutorConfig
 from shunter.actors.executor.core import ExecutorCore
-from shunter.actors.executor.kv_pool import KVPool
-from shunter.actors.executor.loader import load_model
-from shunter.actors.executor.runner import ModelRunner
 from shunter.bus.messages import ForwardBatch, Ready, StepResult
 from shunter.bus.subscription import Subscription
 from shunter.bus.transport import Bus
 
 log = structlog.get_logger(actor="executor")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(config: ExecutorConfig) -> torch.device:
-    if config.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(config.device)
-
-
-def resolve_dtype(config: ExecutorConfig, device: torch.device) -> torch.dtype:
-    if config.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[config.dtype]
-
-
-def build_core(config: ExecutorConfig) -> ExecutorCore:
-    """Load the model, size the KV pool, wrap both in a core (blocking; seconds)."""
-    if config.num_threads is not None:
-        torch.set_num_threads(config.num_threads)
-    device = resolve_device(config)
-    dtype = resolve_dtype(config, device)
-    t0 = time.perf_counter()
-    model, mcfg = load_model(
-        config.model_path,
-        dtype=dtype,
-        device=device,
-        load_format=config.load_format,
-        seed=config.seed,
-        progress=config.load_progress,
-        config_overrides=dict(config.model_overrides) or None,
-        weight_format=config.weight_format,
-    )
-    max_context_len = min(config.context_length or mcfg.max_position_embeddings,
-                          mcfg.max_position_embeddings)  # fmt: skip
-    mem_bytes = None
-    if config.max_total_tokens is None and device.type == "cuda" and config.mem_fraction_static:
-        free, _ = torch.cuda.mem_get_info(device)
-        mem_bytes = int(free * config.mem_fraction_static)
-    pool = KVPool.from_budget(
-        mcfg,
-        dtype=dtype,
-        device=device,
-        page_size=config.page_size,
-        max_total_tokens=config.max_total_tokens,
-        mem_bytes=mem_bytes,
-        host_mem_fraction=config.mem_fraction_static if device.type == "cpu" else None,
-    )
-    core = ExecutorCore(
-        ModelRunner(model, pool),
-        eos_token_ids=mcfg.eos_token_ids,
-        max_context_len=max_context_len,
-        max_num_rows=config.max_num_rows,
-    )
-    log.info("executor loaded", actor_id=config.actor_id, model=mcfg.name, dtype=str(dtype),
-             device=str(device), num_pages=pool.num_pages, page_size=pool.page_size,
-             load_s=round(time.perf_counter() - t0, 2))  # fmt: skip
-    return core
 
 
 def ready_info(core: ExecutorCore) -> dict[str, int | float | str]:
@@ -121,6 +60,8 @@ def ready_info(core: ExecutorCore) -> dict[str, int | float | str]:
         "num_layers": runner.config.num_layers,
         "dtype": str(runner.dtype).removeprefix("torch."),
         "device": str(runner.device),
+        "attention_backend": runner.backend,
+        "cuda_graph_max_bs": runner.graphs.max_bs if runner.graphs is not None else 0,
         "max_num_rows": core.max_num_rows,
     }
 

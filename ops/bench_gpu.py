@@ -1,9 +1,9 @@
 """`shunter bench executor --device cuda`: the executor on a GPU against its ceilings and HF.
 
 Theory of operation
-    ForwardBatch messages go straight into an ExecutorCore built by `build_core` (the
-    executor actor's own path, CUDA graphs and attention backend as configured),
-    driven by bench_gpu_driver.Driver, which hands out rows and pages like a scheduler
+    ForwardBatch messages go straight into an ExecutorCore made by build.py's
+    `build_core` (the executor actor's own path: CUDA graphs and attention backend as
+    configured), driven by bench_gpu_driver.Driver, which hands out rows and pages like a scheduler
     that never runs short. The model is a dummy Llama-3.1-8B (a directory with only
     config.json, seeded random weights) unless --model-path names an HF directory.
     Figures, one printed line each:
@@ -57,10 +57,10 @@ LLAMA31_8B: dict = {
     "attention_bias": False, "mlp_bias": False, "bos_token_id": 128000,
     "eos_token_id": [128001, 128008, 128009],
 }  # fmt: skip
-# same family and switches, small enough for a CPU test
-TINY_LLAMA: dict = {**LLAMA31_8B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-                    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                    "head_dim": 16, "max_position_embeddings": 16384, "torch_dtype": "float32",
+# same family and switches, small enough for a CPU test (head_dim 64: flashinfer's smallest)
+TINY_LLAMA: dict = {**LLAMA31_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+                    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+                    "head_dim": 64, "max_position_embeddings": 16384, "torch_dtype": "float32",
                     "bos_token_id": None, "eos_token_id": None}  # fmt: skip
 MODELS = {"llama-3.1-8b": LLAMA31_8B, "tiny-llama": TINY_LLAMA}
 
@@ -272,7 +272,7 @@ def _model(args: argparse.Namespace, tmp: str) -> tuple[pathlib.Path, dict, bool
 
 
 def build(args: argparse.Namespace, model_dir: pathlib.Path, dummy: bool, sizes: dict):
-    from shunter.actors.executor.actor import build_core
+    from shunter.actors.executor.build import build_core
     from shunter.actors.executor.config import ExecutorConfig
 
     cfg = ExecutorConfig(
@@ -309,7 +309,9 @@ def run(args: argparse.Namespace) -> int:
     import msgspec
 
     s["config"] = {**msgspec.to_builtins(cfg), "model": args.model_path or args.model,
-                   "torch": torch.__version__, "device_name": _device_name(dev)}  # fmt: skip
+                   "torch": torch.__version__, "device_name": _device_name(dev),
+                   "attention_backend_used": getattr(core.runner, "backend", None),
+                   "num_pages": core.num_pages}  # fmt: skip
     driver = Driver(core)
     mcfg = core.runner.config
     nb = torch.empty(0, dtype=core.runner.dtype).element_size()

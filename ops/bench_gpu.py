@@ -65,11 +65,25 @@ TINY_LLAMA: dict = {**LLAMA31_8B, "vocab_size": 512, "hidden_size": 128, "interm
 MODELS = {"llama-3.1-8b": LLAMA31_8B, "tiny-llama": TINY_LLAMA}
 
 
-def write_model_dir(path: pathlib.Path, config: dict) -> pathlib.Path:
-    """An HF model directory holding only config.json (for load_format "dummy")."""
+def write_model_dir(path: pathlib.Path, config: dict, tokenizer: bool = False) -> pathlib.Path:
+    """An HF model directory holding config.json (for load_format "dummy") and, with
+    `tokenizer`, a synthetic tokenizer.json covering the whole vocabulary."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=1))
+    if tokenizer:
+        write_tokenizer(path, config["vocab_size"])
     return path
+
+
+def write_tokenizer(path: pathlib.Path, vocab_size: int) -> None:
+    """tokenizer.json of a word-level vocabulary "t0" ... "t{V-1}" (whitespace split):
+    every id the model can sample detokenizes, so a server can run a dummy model and
+    a benchmark can send id prompts; the text means nothing."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.save(str(path / "tokenizer.json"))
 
 
 # ---- counting: parameters, bytes per decode step, prefill FLOPs ----------------------
@@ -377,3 +391,11 @@ def bench_offline(driver: Driver, args: argparse.Namespace, vocab: int) -> dict:
 
 def _device_name(dev: torch.device) -> str:
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+
+
+if __name__ == "__main__":
+    # python -m shunter.ops.bench_gpu DIR [MODEL]: a dummy model directory a server can run
+    # (`shunter serve --model-path DIR --load-format dummy`)
+    out = write_model_dir(pathlib.Path(sys.argv[1]), MODELS[sys.argv[2] if len(sys.argv) > 2
+                          else "llama-3.1-8b"], tokenizer=True)  # fmt: skip
+    print(out)

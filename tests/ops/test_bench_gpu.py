@@ -183,3 +183,15 @@ def test_quick_run_on_cuda_with_the_tiny_model(capsys):
         summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert summary["copy_gbs"] > 100 and "bs1_greedy_agree_tokens" in summary
         assert summary["config"]["attention_backend_used"] == backend
+
+
+def test_synthetic_tokenizer_loads_in_the_tokenizer_actor_and_covers_the_vocabulary(tmp_path):
+    from shunter.actors.tokenizer.config import TokenizerConfig
+    from shunter.actors.tokenizer.loading import load_codec
+
+    path = bg.write_model_dir(tmp_path / "m", TINY, tokenizer=True)
+    codec = load_codec(TokenizerConfig(model_path=str(path)))
+    assert codec.vocab_size == TINY["vocab_size"]
+    last = TINY["vocab_size"] - 1
+    assert codec.decode([5, last, 17]) == f"t5 t{last} t17"
+    assert codec.encode("t5 t6", add_special_tokens=False) == [5, 6]

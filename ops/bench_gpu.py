@@ -147,6 +147,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto",
                    choices=("auto", "torch", "triton", "flashinfer"))  # fmt: skip
     g.add_argument("--disable-cuda-graph", action="store_true")
+    g.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="decode steps one at a time (default: step N+1 submitted first)",
+    )
     g.add_argument("--cuda-graph-max-bs", type=int, default=None)
     g.add_argument("--token-budget", type=int, default=8192, help="prefill tokens per batch")
     g.add_argument("--bs1-prompt-len", type=int, default=128)
@@ -212,9 +217,10 @@ def _matmul_tflops(dev: torch.device, n: int = 8192) -> float:
 
 
 def bench_decode(driver: Driver, prompts: list[list[int]], steps: int, budget: int,
-                 desc: str) -> tuple[float, list[list[int]]]:  # fmt: skip
+                 desc: str, overlap: bool = True) -> tuple[float, list[list[int]]]:  # fmt: skip
     """(seconds of `steps` timed decode steps, each row's tokens) after prefilling the
-    prompts and one untimed decode step."""
+    prompts and one untimed decode step. overlap: steps submitted back to back (the
+    overlap scheduler's pattern), else one at a time."""
     dev = driver.core.runner.device
     driver.close_all()
     rows, first = driver.prefill(prompts, budget)
@@ -223,9 +229,13 @@ def bench_decode(driver: Driver, prompts: list[list[int]], steps: int, budget: i
         s.append(t)
     _sync(dev)
     t0 = time.perf_counter()
-    for _ in tqdm(range(steps), desc=desc, file=sys.stderr, leave=False):
-        for s, t in zip(seqs, driver.decode(rows), strict=True):
-            s.append(t)
+    if overlap:
+        for s, more in zip(seqs, driver.decode_overlapped(rows, steps), strict=True):
+            s += more
+    else:
+        for _ in tqdm(range(steps), desc=desc, file=sys.stderr, leave=False):
+            for s, t in zip(seqs, driver.decode(rows), strict=True):
+                s.append(t)
     _sync(dev)
     dt = time.perf_counter() - t0
     driver.close_all()
@@ -335,8 +345,12 @@ def run(args: argparse.Namespace) -> int:
     for bs in batch_sizes:
         plen = args.bs1_prompt_len if bs == 1 else args.decode_prompt_len
         prompts_by_bs[bs] = random_prompts(bs, plen, vocab, args.seed + bs)
+        overlap = not getattr(args, "disable_overlap_schedule", False)
         dt, seqs = bench_decode(driver, prompts_by_bs[bs], steps, args.token_budget,
-                                f"decode bs={bs}")  # fmt: skip
+                                f"decode bs={bs}", overlap)  # fmt: skip
+        if bs == 1 and overlap:  # the same steps one at a time: what the overlap hides
+            dt1, _ = bench_decode(driver, prompts_by_bs[bs], steps, args.token_budget, "bs=1")
+            s["decode_tok_s_bs1_no_overlap"] = steps / dt1
         tok_s = bs * steps / dt
         s[f"decode_tok_s_bs{bs}"], s[f"decode_ms_bs{bs}"] = tok_s, dt / steps * 1e3
         frac = roofline_frac(mcfg, tok_s, bs, plen, steps, copy_gbs, nb)
@@ -344,7 +358,9 @@ def run(args: argparse.Namespace) -> int:
         if bs == 1:
             s["bs1_tokens"] = seqs[0]
         _say(f"decode bs={bs} ({plen}-token prompts, {steps} steps): {tok_s:.1f} tok/s, "
-             f"{dt / steps * 1e3:.2f} ms/step" + (f", {frac:.1%} of roofline" if frac else ""))  # fmt: skip
+             f"{dt / steps * 1e3:.2f} ms/step" + (f", {frac:.1%} of roofline" if frac else "")
+             + (f"; one step at a time {s['decode_tok_s_bs1_no_overlap']:.1f} tok/s"
+                if bs == 1 and "decode_tok_s_bs1_no_overlap" in s else ""))  # fmt: skip
 
     (prompt,) = random_prompts(1, args.prefill_len, vocab, args.seed)
     dt = bench_prefill(driver, prompt, args.repeats)

@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from shunter.actors.executor.core import ExecutorCore
-from shunter.bus.messages import LAST_SAMPLED, ForwardBatch, RowOpen, SamplingParams
+from shunter.bus.messages import LAST_SAMPLED, ForwardBatch, RowOpen, SamplingParams, StepResult
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=1 << 30)
 
@@ -76,6 +76,25 @@ class Driver:
 
     def step(self, entries: list[Entry]) -> dict[int, int]:
         """Run one batch; returns row -> sampled token for the sampling entries."""
+        res = self.core.step(self._batch(entries))
+        return _tokens(res)
+
+    def decode_overlapped(self, rows: list[int], steps: int) -> list[list[int]]:
+        """`steps` decode steps of `rows` submitted back to back as the overlap scheduler
+        sends them (step N+1 goes in before step N's tokens are read); per row, its
+        tokens."""
+        out: list[list[int]] = [[] for _ in rows]
+        results = []
+        for _ in range(steps):
+            results += self.core.submit(self._batch([Entry(r, [LAST_SAMPLED]) for r in rows]))
+        results += self.core.flush()
+        for res in results:
+            got = _tokens(res)
+            for seq, r in zip(out, rows, strict=True):
+                seq.append(got[r])
+        return out
+
+    def _batch(self, entries: list[Entry]) -> ForwardBatch:
         opens, rows, nums, starts, ids, new_pages, num_new_pages = [], [], [], [], [], [], []
         for e in entries:
             start = self.row_len[e.row]
@@ -96,10 +115,7 @@ class Driver:
         )  # fmt: skip
         self.pending_closes = []
         self.step_id += 1
-        res = self.core.step(batch)
-        if res.error is not None:
-            raise RuntimeError(f"benchmark batch {batch.step_id} failed: {res.error}")
-        return dict(zip(res.rows, res.token_ids, strict=True))
+        return batch
 
     def prefill(self, prompts: list[list[int]], token_budget: int) -> tuple[list[int], list[int]]:
         """Open a row per prompt and compute the prompts in batches of at most
@@ -126,6 +142,12 @@ class Driver:
     def decode(self, rows: list[int]) -> list[int]:
         out = self.step([Entry(r, [LAST_SAMPLED]) for r in rows])
         return [out[r] for r in rows]
+
+
+def _tokens(res: StepResult) -> dict[int, int]:
+    if res.error is not None:
+        raise RuntimeError(f"benchmark batch {res.step_id} failed: {res.error}")
+    return dict(zip(res.rows, res.token_ids, strict=True))
 
 
 @dataclass

@@ -291,6 +291,26 @@ def check_teacher(ours: Run, ref: Run, dtype: torch.dtype) -> list[str]:
     return problems
 
 
+@torch.inference_mode()
+def teacher_argmax(model, prompts: Sequence[Sequence[int]],
+                   tokens: Sequence[Sequence[int]]) -> list[list[int]]:  # fmt: skip
+    """Per prompt, `model`'s argmax at every step of `tokens` fed as the context (one
+    forward over prompt + tokens[:-1] each)."""
+    device = next(model.parameters()).device
+    out = []
+    for prompt, toks in zip(prompts, tokens, strict=True):
+        ids = torch.tensor([[*prompt, *toks[:-1]]], device=device)
+        logits = model(ids, logits_to_keep=len(toks)).logits[0]  # [len(toks), vocab]
+        out.append(logits.float().argmax(-1).tolist())
+    return out
+
+
+def agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> float:
+    """Share of steps where two token lists of the same prompts agree."""
+    pairs = [(x, y) for p, q in zip(a, b, strict=True) for x, y in zip(p, q, strict=True)]
+    return sum(x == y for x, y in pairs) / max(len(pairs), 1)
+
+
 def num_agree(ours: Run, ref: Run) -> tuple[int, int]:
     pairs = [(x, y) for o, r in zip(ours.tokens, ref.tokens) for x, y in zip(o, r)]
     return sum(x == y for x, y in pairs), len(pairs)

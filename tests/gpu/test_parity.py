@@ -8,7 +8,13 @@ Tolerances (logit units; see shunter.ops.gpu_parity for the reasoning):
   TIE_FP32 = 1e-4 (the rest of that prompt is then not compared).
 - bfloat16, teacher forced on HF's tokens: our argmax equals HF's token at every step
   except where HF's margin is <= 8 * 2^-8 * max(1, |HF top-1 logit|) (8 bf16 unit
-  roundoffs of the logit scale).
+  roundoffs of the logit scale). Deep random-weight models drift further than that in
+  bf16 (measured on the H200 at the 8B shape, 32 layers: 121 of 192 teacher-forced
+  steps agreed with HF bf16, flips at HF margins up to 1.6, while the same shape in
+  float32 matched token for token), so a run that breaks the margin rule still passes
+  when its agreement with the float32 model holding the same (bf16) weights, at the
+  same contexts, is at most NOISE_SLACK below HF bfloat16's own agreement with it:
+  our bf16 is then no further from exact arithmetic than HF's bf16 is.
 - bfloat16, our engine against itself (graphs off, overlap off is the reference):
   overlap on gives identical tokens and identical logprobs (the same kernels on the
   same shapes; only when results are read changes). Graphs on replays decode batches
@@ -28,6 +34,7 @@ CPU.
 
 from __future__ import annotations
 
+import copy
 import gc
 import pathlib
 
@@ -37,6 +44,7 @@ import torch
 from shunter.ops import gpu_parity as gp
 
 NUM_STEPS = 64
+NOISE_SLACK = 0.05
 GRAPH_REPLAY_BIT_EXACT = False
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -49,6 +57,7 @@ class _Cache:
     def __init__(self) -> None:
         self.ref_key = self.engine_key = None
         self.ref = self.engine = None
+        self.fp32_argmax: list[list[int]] | None = None  # bf16 references only
         self.refused: dict[tuple, str] = {}  # engine key -> why the backend refused it
 
     def reference(self, kind: str, dtype: torch.dtype, device: str, num_steps: int):
@@ -60,6 +69,12 @@ class _Cache:
             prompts = gp.random_prompts(cfg.vocab_size, gp.PROMPT_LENS[kind])
             self.ref = (hf, cfg, prompts, gp.hf_greedy(hf, prompts, num_steps))
             self.ref_key = key
+            self.fp32_argmax = None
+            if dtype != torch.float32:  # the exact-arithmetic view of the same weights
+                exact = copy.deepcopy(hf).float()
+                self.fp32_argmax = gp.teacher_argmax(exact, prompts, self.ref[3].tokens)
+                del exact
+                _empty_cache()
         return self.ref
 
     def core(self, tmp: pathlib.Path, backend: str, graphs: bool):
@@ -129,7 +144,8 @@ def _cases() -> list:
 @needs_cuda
 @pytest.mark.parametrize(("kind", "dtype", "backend", "graphs", "overlap"), _cases())
 def test_matches_hf(cache, tmp_path, kind, dtype, backend, graphs, overlap):
-    """float32: free running, token for token; bfloat16: teacher forced, margin rule."""
+    """float32: free running, token for token; bfloat16: teacher forced, margin rule
+    or else the float32 noise floor."""
     _skip_unavailable(backend)
     _, _, prompts, ref = cache.reference(kind, dtype, "cuda", NUM_STEPS)
     core = cache.core(tmp_path, backend, graphs)
@@ -139,6 +155,13 @@ def test_matches_hf(cache, tmp_path, kind, dtype, backend, graphs, overlap):
     else:
         ours = cache.drive(core, prompts, NUM_STEPS, overlap=overlap, teacher=ref.tokens)
         problems = gp.check_teacher(ours, ref, dtype)
+        if problems:  # beyond the margin rule: no further from float32 than HF's bf16
+            floor = gp.agreement(ref.tokens, cache.fp32_argmax)
+            mine = gp.agreement(ours.tokens, cache.fp32_argmax)
+            assert mine >= floor - NOISE_SLACK, (
+                f"agreement with float32: ours {mine:.3f}, HF bf16 {floor:.3f}; {problems}"
+            )
+            return
     agree, total = gp.num_agree(ours, ref)
     assert not problems, f"{agree}/{total} agree; {problems}"
 
@@ -179,6 +202,11 @@ def test_cpu_harness_matches_hf_float32(cache, tmp_path, overlap):
     ours = cache.drive(core, prompts, CPU_STEPS, overlap=overlap)
     assert not gp.check_free(ours, ref, torch.float32)
     assert ours.tokens == ref.tokens
+    # a greedy run's own tokens are its argmax at every step: the teacher-forced
+    # argmax helper (the bf16 noise floor's) must give them back
+    hf = cache.reference("small", torch.float32, "cpu", CPU_STEPS)[0]
+    assert gp.teacher_argmax(hf, prompts, ref.tokens) == ref.tokens
+    assert gp.agreement(ours.tokens, ref.tokens) == 1.0
     # logprobs are of the raw distribution: our top-1 logprob is HF's top-1 logit
     # minus a logsumexp, so margins agree to float32 precision
     for o, r in zip(ours.margins, ref.margins, strict=True):

@@ -48,6 +48,8 @@ from typing import Any
 import torch
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+# head sizes flashinfer's kernels are built for (others fail when the kernel is made)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # GQA group sizes flashinfer's CUDA-core decode kernel is compiled for (DISPATCH_GQA_GROUP_SIZE)
 CUDA_CORE_DECODE_GROUPS = (1, 2, 3, 4, 8)
 
@@ -278,6 +280,9 @@ class FlashInferAttention(_Decoder):
     ) -> None:
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"flashinfer attention supports bfloat16/float16 pools, not {dtype}")
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"flashinfer attention supports head_dim {SUPPORTED_HEAD_DIMS}, "
+                             f"not {head_dim}")  # fmt: skip
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
         import flashinfer

@@ -46,21 +46,32 @@ from shunter.actors.executor.slot_table import DeviceSlotTable, PinnedStager
 log = structlog.get_logger(actor="executor")
 
 
-def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The attention backend a runner uses for `name` ("auto" resolved; ValueError
-    for a CUDA backend off CUDA)."""
+def resolve_backend(
+    name: str, device: torch.device, dtype: torch.dtype, head_dim: int = 128
+) -> str:
+    """The attention backend a runner uses for `name` ("auto" resolved: flashinfer on
+    CUDA when it imports and supports the dtype and head size, else triton;
+    ValueError for a CUDA backend off CUDA or flashinfer where it cannot run)."""
     if device.type != "cuda":
         if name in ("triton", "flashinfer"):
             raise ValueError(f"attention backend {name!r} needs a CUDA device")
         return "torch"
-    if name == "auto":
-        from shunter.kernels.attention_flashinfer import flashinfer_available
+    if name not in ("auto", "flashinfer"):
+        return name
+    from shunter.kernels import attention_flashinfer as fi
 
-        usable = dtype in (torch.bfloat16, torch.float16) and flashinfer_available()
-        return "flashinfer" if usable else "triton"
-    if name == "flashinfer" and dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"attention backend flashinfer needs bf16 or fp16, not {dtype}")
-    return name
+    why = None
+    if dtype not in fi.SUPPORTED_DTYPES:
+        why = f"bf16 or fp16, not {dtype}"
+    elif head_dim not in fi.SUPPORTED_HEAD_DIMS:
+        why = f"head_dim in {fi.SUPPORTED_HEAD_DIMS}, not {head_dim}"
+    elif not fi.flashinfer_available():
+        why = "flashinfer to import"
+    if why is None:
+        return "flashinfer"
+    if name == "flashinfer":
+        raise ValueError(f"attention backend flashinfer needs {why}")
+    return "triton"
 
 
 @dataclass(frozen=True)
@@ -148,7 +159,8 @@ class ModelRunner:
                 f"KV pool has {kv_pool.num_layers} layers, model {self.config.num_layers}"
             )
         on_cuda = self.device.type == "cuda"
-        self.backend = resolve_backend(attention_backend, self.device, self.dtype)
+        self.backend = resolve_backend(attention_backend, self.device, self.dtype,
+                                       self.config.head_dim)  # fmt: skip
         self.stager = PinnedStager(self.device)
         self.slot_table: DeviceSlotTable | None = None
         if slot_table is None:

@@ -16,7 +16,7 @@ import torch
 from shunter.actors.executor.cuda_graph import capture_sizes
 from shunter.actors.executor.kv_pool import KVPool
 from shunter.actors.executor.loader import load_model
-from shunter.actors.executor.runner import ForwardInput, ModelRunner
+from shunter.actors.executor.runner import ForwardInput, ModelRunner, resolve_backend
 
 
 class Script:
@@ -115,3 +115,17 @@ def test_slot_table_rejects_rows_outside_it(tiny_model_dir):
     s = Script(1)
     with pytest.raises(ValueError, match="slot table"):
         r.forward(s.step([(2, 3)]))
+
+
+def test_attention_backend_resolution():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_backend("auto", cpu, torch.float32) == "torch"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        resolve_backend("triton", cpu, torch.bfloat16)
+    assert resolve_backend("triton", cuda, torch.float32) == "triton"
+    assert resolve_backend("auto", cuda, torch.float32) == "triton"  # flashinfer: no fp32
+    assert resolve_backend("auto", cuda, torch.bfloat16, head_dim=16) == "triton"
+    with pytest.raises(ValueError, match="head_dim"):
+        resolve_backend("flashinfer", cuda, torch.bfloat16, head_dim=16)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        resolve_backend("flashinfer", cuda, torch.float32)

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shunter.bus.messages import LAST_SAMPLED, ForwardBatch, RowOpen, SamplingParams, StepResult
+from shunter.kernels.attention_flashinfer import flashinfer_available
 
 TIE_FP32 = 1e-4
 BF16_UNIT_ROUNDOFF = 2.0**-8
@@ -317,14 +318,6 @@ def num_agree(ours: Run, ref: Run) -> tuple[int, int]:
 
 
 # ---- the table ------------------------------------------------------------------
-
-
-def flashinfer_available() -> bool:
-    try:
-        import flashinfer  # noqa: F401
-    except (ImportError, OSError, RuntimeError):  # absent, or built for another CUDA
-        return False
-    return True
 
 
 def parity_rows(kind: str, dtype: torch.dtype, num_steps: int,

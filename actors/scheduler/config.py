@@ -70,13 +70,23 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     scheduler; a request found finished in result N wastes its entry in N+1."""
     refresh_stale_matches: bool = True
     """Re-match a waiting request before admission when the tree grew since its match."""
+    in_batch_prefix_sharing: bool = False
+    """Requests that arrive together with a shared prefix compute it once (SGLang's
+    in-batch prefix caching): a waiting request whose prompt shares at least
+    in_batch_prefix_min_tokens uncached tokens (whole pages) with a request that is
+    still prefilling, or admitted in the same step, waits; every finished prompt's full
+    pages go to the tree as its prefill ends, so the waiting one re-matches them.
+    Off in the Struct so logs recorded before it existed replay unchanged;
+    `from_server_args` turns it on with the radix cache."""
+    in_batch_prefix_min_tokens: int = 32
+    """Shortest shared uncached prefix that defers a request (see above)."""
     max_tombstones: int = 4096
     """Recently aborted unknown request ids remembered (an abort that overtook its Matched)."""
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "max_prefill_tokens", "page_size",
                      "max_context_len", "new_token_ratio_decay_steps", "lease_min_pages",
-                     "lpm_max_queue", "lease_lookahead_steps"):  # fmt: skip
+                     "lpm_max_queue", "lease_lookahead_steps", "in_batch_prefix_min_tokens"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("num_total_pages", "retract_decode_steps", "lease_max_surplus_pages",
@@ -172,6 +182,7 @@ def from_server_args(
         eos_token_ids=tuple(eos_token_ids),
         seed=seed if seed is not None else 0,
         refresh_stale_matches=not getattr(args, "disable_radix_cache", False),
+        in_batch_prefix_sharing=not getattr(args, "disable_radix_cache", False),
         max_batches_in_flight=1 if getattr(args, "disable_overlap_schedule", False) else 2,
     )
     fields.update(overrides)

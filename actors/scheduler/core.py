@@ -146,7 +146,8 @@ class SchedulerCore:
         self._gen_since_stats = 0
         self._n = dict.fromkeys(
             ("retractions", "parked", "refreshes", "chunks", "finished", "aborted", "failed",
-             "prefill_tokens", "generated", "unexpected", "prompt_tokens", "cached_tokens"),
+             "prefill_tokens", "generated", "unexpected", "prompt_tokens", "cached_tokens",
+             "in_batch_deferred"),
             0,
         )  # fmt: skip
 

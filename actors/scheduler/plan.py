@@ -131,6 +131,7 @@ def _admit(
             rem_total -= len(r.pages) * ps + ratio * min(r.remaining_new_tokens(), clip)
     num_slots = min(cfg.max_running_requests - len(core.running), core.rows.num_free)
     order = core.order.order(core.waiting.values(), core.now_ns)
+    sharers = _Sharers(core) if cfg.in_batch_prefix_sharing else None
     stop_at = len(order)  # first candidate left for a later step
     lookahead = True  # size the lease for the next step's admission when we stop
     for i, r in enumerate(order):
@@ -145,6 +146,9 @@ def _admit(
             r.refresh_version = core.tree_version_estimate
             core._n["refreshes"] += 1
             continue
+        if sharers is not None and sharers.defers(r):
+            core._n["in_batch_deferred"] += 1
+            continue  # its shared prefix is being computed: re-match it once cached
         first = len(builder) == 0
         extend = len(r.all_ids) - r.num_planned
         if (not first and extend > prefill_left) or prefill_left <= 0 or chunk_left == 0:
@@ -167,6 +171,8 @@ def _admit(
                 break
         _open(core, builder, r)
         _add_extend(core, builder, r, n, num_pages)
+        if sharers is not None:
+            sharers.add(r)
         num_slots -= 1
         prefill_left -= n
         pages_left -= num_pages
@@ -179,6 +185,47 @@ def _admit(
             break
     if lookahead and stop_at < len(order):
         core.admission_deficit += _next_admission_pages(core, order[stop_at:], num_slots)
+
+
+class _Sharers:
+    """Prompts whose prefix is being computed and is not in the tree yet: the running
+    requests whose prefill has not come back, plus those admitted in this step (see
+    SchedulerConfig.in_batch_prefix_sharing). Indexed by their first
+    in_batch_prefix_min_tokens tokens, so most candidates cost one dict lookup."""
+
+    def __init__(self, core: SchedulerCore) -> None:
+        cfg = core.config
+        self.ps = cfg.page_size
+        self.key_len = max(cfg.in_batch_prefix_min_tokens, 1)
+        self.by_key: dict[tuple, list[Req]] = {}
+        for r in core.running.values():
+            if not r.row_sampled:
+                self.add(r)
+
+    def _key(self, r: Req) -> tuple | None:
+        if r.num_prompt < self.key_len:
+            return None
+        return (r.extra_key, *r.all_ids[: self.key_len])
+
+    def add(self, r: Req) -> None:
+        key = self._key(r)
+        if key is not None:
+            self.by_key.setdefault(key, []).append(r)
+
+    def defers(self, r: Req) -> bool:
+        """Whether r shares at least key_len uncached tokens, in whole pages, with one
+        of the prompts being computed."""
+        key = self._key(r)
+        if key is None or r.num_cached >= r.num_prompt - self.key_len:
+            return False
+        mine = r.all_ids[: r.num_prompt - 1]  # its last token is always computed
+        for other in self.by_key.get(key, ()):
+            theirs = other.all_ids[: other.num_prompt]
+            n = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b),
+                     min(len(mine), len(theirs)))  # fmt: skip
+            if n // self.ps * self.ps - r.num_cached >= max(self.key_len, self.ps):
+                return True
+        return False
 
 
 def _next_admission_pages(core: SchedulerCore, order: list[Req], num_slots: int) -> int:

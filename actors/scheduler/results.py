@@ -118,6 +118,8 @@ def _apply_entry(
     if not req.row_sampled:
         num_prefill = num_new
         req.row_sampled = True
+        if core.config.in_batch_prefix_sharing:
+            core._cache_chunk(req, out)  # the prompt's full pages, for requests deferred on it
     token = res.token_ids[k]
     all_ids = req.all_ids
     all_ids.append(token)

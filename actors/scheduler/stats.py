@@ -25,6 +25,7 @@ class SchedulerStatistics(msgspec.Struct, frozen=True):
     num_retractions: int
     num_parked: int  # waiting requests whose match was released under KV pressure
     num_refreshes: int
+    num_in_batch_deferred: int  # admission passes that deferred a request on a shared prefix
     num_chunks_cached: int
     num_finished: int
     num_aborted: int
@@ -74,6 +75,7 @@ def statistics(core: SchedulerCore) -> SchedulerStatistics:
         num_retractions=n["retractions"],
         num_parked=n["parked"],
         num_refreshes=n["refreshes"],
+        num_in_batch_deferred=n["in_batch_deferred"],
         num_chunks_cached=n["chunks"],
         num_finished=n["finished"],
         num_aborted=n["aborted"],

@@ -200,13 +200,15 @@ class SchedulerWithCache(RuleBasedStateMachine):
         chunk=st.sampled_from([8, 16, -1]),
         policy=st.sampled_from(["fcfs", "lpm", "priority", "lof", "random"]),
         in_flight=st.sampled_from([1, 2]),
+        in_batch=st.booleans(),
     )
-    def setup(self, page_size, num_pages, chunk, policy, in_flight):
+    def setup(self, page_size, num_pages, chunk, policy, in_flight, in_batch):
         cfg = SchedulerConfig(
             page_size=page_size, chunked_prefill_size=chunk, max_prefill_tokens=40,
             max_running_requests=5, num_total_pages=num_pages, schedule_policy=policy,
             eos_token_ids=(EOS,), lease_min_pages=2, lease_max_surplus_pages=6,
-            max_batches_in_flight=in_flight,
+            max_batches_in_flight=in_flight, in_batch_prefix_sharing=in_batch,
+            in_batch_prefix_min_tokens=8,
         )  # fmt: skip
         self.c = Cluster(cfg, num_pages, token_fn=token_fn)
         self.rids: list[str] = []
@@ -293,7 +295,8 @@ def fuzz(seed: int, num_deliveries: int) -> Cluster:
         num_total_pages=num_pages, eos_token_ids=(EOS,), lease_min_pages=rng.randint(1, 8),
         lease_max_surplus_pages=rng.randint(0, 16),
         schedule_policy=rng.choice(["fcfs", "lpm", "priority", "lof", "random"]), seed=seed,
-        max_batches_in_flight=rng.choice([1, 2]),
+        max_batches_in_flight=rng.choice([1, 2]), in_batch_prefix_sharing=rng.random() < 0.5,
+        in_batch_prefix_min_tokens=rng.choice([4, 8, 32]),
     )  # fmt: skip
     c = Cluster(cfg, num_pages, token_fn=token_fn)
     prefixes = [[], list(range(300, 300 + rng.randint(4, 30))), list(range(700, 712))]

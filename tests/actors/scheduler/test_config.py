@@ -35,7 +35,7 @@ def test_serve_arguments_map_onto_the_scheduler_config(flag):
     assert (cfg.max_prefill_tokens, cfg.schedule_policy, cfg.page_size) == (3000, "lpm", 16)
     assert (cfg.chunked_prefill_size, cfg.max_running_requests) == (512, 64)
     assert (cfg.max_context_len, cfg.seed, cfg.eos_token_ids) == (1024, 7, (2,))
-    assert cfg.num_total_pages == 500 and cfg.refresh_stale_matches
+    assert cfg.num_total_pages == 500 and cfg.refresh_stale_matches and cfg.in_batch_prefix_sharing
 
 
 def test_engine_chosen_defaults():
@@ -47,6 +47,7 @@ def test_engine_chosen_defaults():
     off = from_server_args(ServerArgs(chunked_prefill_size=-1, disable_radix_cache=True),
                            num_total_pages=100, max_context_len=4096)  # fmt: skip
     assert off.chunk_tokens is None and not off.refresh_stale_matches
+    assert not off.in_batch_prefix_sharing
     assert small.max_batches_in_flight == 2  # overlap, as SGLang, unless disabled
     serial = from_server_args(ServerArgs(disable_overlap_schedule=True), num_total_pages=100,
                               max_context_len=4096)  # fmt: skip

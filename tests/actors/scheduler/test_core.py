@@ -569,3 +569,62 @@ def test_overlap_abort_waits_for_every_batch_in_flight():
     assert not of(f.step(b1), SequenceReleased)
     (rel,) = of(f.step(b2), SequenceReleased)
     assert rel.reason == "aborted" and rel.token_ids == [0, 1, 2, 7]
+
+
+# ---- in-batch prefix sharing ----------------------------------------------------------
+
+
+def _same_prefix_burst(f, shared, tails):
+    """Requests that are all waiting when admission next runs (held by a flip)."""
+    f.send(FlipBegin("hold", "update_weights"))
+    for i, tail in enumerate(tails):
+        f.send(matched(f"r{i}", [*shared, *tail], max_new=3))
+    return f.send(FlipDone("hold", 1, True))
+
+
+def test_requests_arriving_together_compute_their_shared_prefix_once():
+    f = Feeder(max_running_requests=8, page_size=4, in_batch_prefix_sharing=True)
+    shared = list(range(100, 140))  # 40 tokens = 10 pages
+    _same_prefix_burst(f, shared, [[1, 2], [3, 4], [5, 6]])
+    first = _last_batch(f)
+    assert admitted(first) == ["r0"]  # r1, r2 wait for r0's prefix
+    assert f.core.statistics().num_in_batch_deferred >= 2
+    out = f.step(first)
+    # r0's prompt is computed: its 10 full pages go to the tree at once ...
+    (chunk,) = of(out, ChunkCached)
+    assert chunk.request_id == "r0" and chunk.token_ids == [*shared, 1, 2]
+    # ... and the waiting requests, whose matches predate it, re-match
+    refreshed = sorted(m.request_id for m in of(f.log, RefreshMatch))
+    assert refreshed == ["r1", "r2"]
+    cached_pages = list(chunk.pages[:10])
+    for rid, tail in (("r1", [3, 4]), ("r2", [5, 6])):
+        f.send(matched(rid, [*shared, *tail], cached=40, pages=cached_pages, version=2,
+                       max_new=3))  # fmt: skip
+    f.step(_last_batch(f))  # r0's decode step in flight comes back: admission runs
+    opens = [o for b in of(f.log, ForwardBatch) for o in b.opens if o.request_id != "r0"]
+    assert sorted(o.request_id for o in opens) == ["r1", "r2"]
+    assert all(o.num_prefix_tokens == 40 for o in opens)  # only their tails computed
+
+
+def test_in_batch_sharing_off_prefills_them_all_together():
+    f = Feeder(max_running_requests=8, page_size=4)
+    shared = list(range(100, 140))
+    _same_prefix_burst(f, shared, [[1, 2], [3, 4], [5, 6]])
+    assert sorted(o.request_id for b in of(f.log, ForwardBatch) for o in b.opens) == [
+        "r0", "r1", "r2"]  # fmt: skip
+    assert f.core.statistics().num_in_batch_deferred == 0
+
+
+def test_short_or_cached_shares_do_not_defer():
+    f = Feeder(max_running_requests=8, page_size=4, in_batch_prefix_sharing=True,
+               in_batch_prefix_min_tokens=16)  # fmt: skip
+    _same_prefix_burst(f, list(range(100, 112)), [[1, 2], [3, 4]])  # 12 shared < 16
+    assert sorted(o.request_id for b in of(f.log, ForwardBatch) for o in b.opens) == ["r0", "r1"]
+    # a request whose match already covers the shared prefix is not held back either
+    g = Feeder(max_running_requests=8, page_size=4, in_batch_prefix_sharing=True)
+    shared = list(range(100, 140))
+    g.send(FlipBegin("hold", "update_weights"))
+    g.send(matched("a", [*shared, 1], max_new=3))
+    g.send(matched("b", [*shared, 2], cached=40, pages=range(10), max_new=3))
+    (b,) = of(g.send(FlipDone("hold", 1, True)), ForwardBatch)
+    assert admitted(b) == ["a", "b"]

@@ -160,6 +160,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--offline-input-len", type=int, default=1024)
     g.add_argument("--offline-output-len", type=int, default=1024)
     g.add_argument("--offline-max-running", type=int, default=256)
+    g.add_argument(
+        "--kernel-profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="also profile STEPS bs=1 decode steps: device time per kernel",
+    )
     g.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     g.add_argument("--out", default=None, help="also write the JSON summary here")
 
@@ -362,6 +369,14 @@ def run(args: argparse.Namespace) -> int:
              + (f"; one step at a time {s['decode_tok_s_bs1_no_overlap']:.1f} tok/s"
                 if bs == 1 and "decode_tok_s_bs1_no_overlap" in s else ""))  # fmt: skip
 
+    if getattr(args, "kernel_profile", 0):
+        from shunter.ops.bench_profile import format_rows, kernel_profile
+
+        kp = kernel_profile(driver, prompts_by_bs.get(1) or random_prompts(1, args.bs1_prompt_len,
+                            vocab, args.seed + 1), args.kernel_profile, args.token_budget)  # fmt: skip
+        s["bs1_kernel_profile"] = kp
+        _say(f"bs=1 decode, {args.kernel_profile} steps profiled:\n"
+             + format_rows(kp, args.kernel_profile))  # fmt: skip
     (prompt,) = random_prompts(1, args.prefill_len, vocab, args.seed)
     dt = bench_prefill(driver, prompt, args.repeats)
     flops = prefill_flops(mcfg, len(prompt))

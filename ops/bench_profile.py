@@ -1,0 +1,73 @@
+"""Where a decode step's device time goes: torch.profiler over a few decode steps.
+
+Theory of operation: `kernel_profile` prefills `prompts` through a bench Driver, runs
+warm-up decode steps, then profiles `steps` more (submitted back to back, as the
+overlap scheduler sends them) with torch.profiler (CUDA activities on a GPU; kernels
+inside replayed CUDA graphs are traced too), and folds the events into one row per
+kernel name: calls, total and mean device time, share of the profiled time. The
+names show which op each kernel belongs to (cuBLAS GEMMs, flashinfer/Triton
+attention, the Triton norm/rope/activation kernels), so a step's gap to the
+bandwidth roofline can be attributed.
+
+Invariants: leaves the driver with no open rows; the profiled steps' tokens are not
+checked (the decode benchmark does that).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shunter.ops.bench_gpu_driver import Driver
+
+
+def kernel_profile(
+    driver: Driver, prompts: list[list[int]], steps: int, budget: int, top: int = 25
+) -> list[dict]:
+    """Rows {name, calls, total_us, mean_us, share} of the `top` kernels by device time
+    (host time on a CPU, where no device kernels exist)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = driver.core.runner.device
+    on_cuda = dev.type == "cuda"
+    driver.close_all()
+    rows, _ = driver.prefill(prompts, budget)
+    driver.decode_overlapped(rows, 3)  # warm: graphs replayed, allocator settled
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    if on_cuda:
+        torch.cuda.synchronize(dev)
+    with profile(activities=activities) as prof:
+        driver.decode_overlapped(rows, steps)
+        if on_cuda:
+            torch.cuda.synchronize(dev)
+    driver.close_all()
+    return fold(prof.key_averages(), on_cuda, top)
+
+
+def fold(averages, device_time: bool, top: int) -> list[dict]:
+    """Rows of the profiler's per-name averages, largest total time first: device
+    kernels by their own device time, or (on a CPU) ops by their own host time."""
+    rows = []
+    for e in averages:
+        if device_time:
+            if e.device_type == torch.autograd.DeviceType.CPU:
+                continue  # host-side ops; their kernels are rows of their own
+            total = e.self_device_time_total
+        else:
+            total = e.self_cpu_time_total
+        if total > 0:
+            rows.append({"name": e.key, "calls": e.count, "total_us": float(total)})
+    grand = sum(r["total_us"] for r in rows) or 1.0
+    rows.sort(key=lambda r: -r["total_us"])
+    for r in rows:
+        r["mean_us"] = r["total_us"] / max(r["calls"], 1)
+        r["share"] = r["total_us"] / grand
+    return rows[:top]
+
+
+def format_rows(rows: list[dict], steps: int) -> str:
+    """A table: share, device µs per step, calls per step, name."""
+    lines = [f"{'share':>6} {'us/step':>9} {'calls/step':>10}  kernel"]
+    for r in rows:
+        lines.append(f"{r['share']:6.1%} {r['total_us'] / steps:9.1f} {r['calls'] / steps:10.1f}  "
+                     f"{r['name'][:90]}")  # fmt: skip
+    return "\n".join(lines)

@@ -15,11 +15,12 @@ from shunter.actors.executor.loader import load_model
 from shunter.actors.executor.models.config import from_hf_dict
 from shunter.actors.executor.models.llama import LlamaForCausalLM
 from shunter.ops import bench_gpu as bg
+from shunter.ops import bench_gpu_model as bm
 from shunter.ops.bench_gpu_driver import Driver, offline_run, random_prompts
 from shunter.ops.bench_gpu_hf import build_hf, hf_generate, hf_state_dict, leading_agreement
 from shunter.ops.cli import build_parser
 
-TINY = bg.TINY_LLAMA
+TINY = bm.TINY_LLAMA
 
 
 def _meta_model(config: dict) -> LlamaForCausalLM:
@@ -29,7 +30,7 @@ def _meta_model(config: dict) -> LlamaForCausalLM:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> pathlib.Path:
-    return bg.write_model_dir(tmp_path_factory.mktemp("m") / "tiny", TINY)
+    return bm.write_model_dir(tmp_path_factory.mktemp("m") / "tiny", TINY)
 
 
 def _core(model_dir: pathlib.Path, **kw):
@@ -38,22 +39,22 @@ def _core(model_dir: pathlib.Path, **kw):
                                      device="cpu", dtype="float32", load_progress=False, **kw))  # fmt: skip
 
 
-@pytest.mark.parametrize("config", [bg.LLAMA31_8B, TINY, {**TINY, "tie_word_embeddings": True}])
+@pytest.mark.parametrize("config", [bm.LLAMA31_8B, TINY, {**TINY, "tie_word_embeddings": True}])
 def test_param_count_and_decode_bytes_match_the_model(config):
     c = from_hf_dict(config)
     model = _meta_model(config)
-    assert bg.model_params(c) == sum(p.numel() for p in model.parameters())
+    assert bm.model_params(c) == sum(p.numel() for p in model.parameters())
     embed = c.vocab_size * c.hidden_size
     read = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
     if c.tie_word_embeddings:
         read += embed  # the head reads the embedding matrix
     # bs=2 at contexts 10 and 30: weights once, one embedding row and its KV per entry
     kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2 * 40
-    assert bg.decode_step_bytes(c, [10, 30], 2) == (read + 2 * c.hidden_size) * 2 + kv
+    assert bm.decode_step_bytes(c, [10, 30], 2) == (read + 2 * c.hidden_size) * 2 + kv
 
 
 def test_llama31_8b_is_the_real_shape():
-    assert bg.model_params(from_hf_dict(bg.LLAMA31_8B)) == 8_030_261_248
+    assert bm.model_params(from_hf_dict(bm.LLAMA31_8B)) == 8_030_261_248
 
 
 def test_prefill_flops_agree_with_torch_flop_counter(model_dir):
@@ -72,7 +73,7 @@ def test_prefill_flops_agree_with_torch_flop_counter(model_dir):
     # some transformers versions build the rope angles with a matmul: not model FLOPs
     counts = fc.get_flop_counts()
     rope = sum(sum(v.values()) for k, v in counts.items() if k.endswith("rotary_emb"))
-    assert fc.get_total_flops() - rope == bg.prefill_flops(c, t) - norms + attention_causal
+    assert fc.get_total_flops() - rope == bm.prefill_flops(c, t) - norms + attention_causal
 
 
 def test_hf_state_dict_is_the_inverse_of_load_weights(model_dir):
@@ -193,7 +194,7 @@ def test_synthetic_tokenizer_loads_in_the_tokenizer_actor_and_covers_the_vocabul
     from shunter.actors.tokenizer.config import TokenizerConfig
     from shunter.actors.tokenizer.loading import load_codec
 
-    path = bg.write_model_dir(tmp_path / "m", TINY, tokenizer=True)
+    path = bm.write_model_dir(tmp_path / "m", TINY, tokenizer=True)
     codec = load_codec(TokenizerConfig(model_path=str(path)))
     assert codec.vocab_size == TINY["vocab_size"]
     last = TINY["vocab_size"] - 1

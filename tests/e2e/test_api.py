@@ -155,6 +155,25 @@ def test_a_repeated_prompt_reports_cached_tokens(client, model):
     assert second.choices[0].text == first.choices[0].text
 
 
+def test_a_burst_with_one_preamble_computes_it_once(client, model):
+    """Requests sent together that share a long preamble (and nothing cached yet): the
+    first computes it, the others wait for it and report it as cached."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    preamble = "A burst preamble on how tides follow the moon, told at length. " * 10 + "\n"
+    prompts = [preamble + f"Question {i}: name a color." for i in range(4)]
+
+    def ask(prompt):
+        return client.completions.create(model=model, prompt=prompt, max_tokens=4,
+                                         temperature=0)  # fmt: skip
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(ask, prompts))
+    cached = sorted(r.usage.prompt_tokens_details.cached_tokens for r in results)
+    assert min(r.usage.prompt_tokens for r in results) > 100
+    assert cached[0] == 0 and all(c >= 100 for c in cached[1:]), cached
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "fragment"),
     [

@@ -41,7 +41,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,7 +92,11 @@ def extend_qo_indptr(num_new_tokens: Sequence[int]) -> torch.Tensor:
 
 
 def kv_page_indices(
-    table: torch.Tensor, rows: torch.Tensor, kv_lens: Sequence[int], page_size: int
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    kv_lens: Sequence[int],
+    page_size: int,
+    stage: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """[nnz] int32 page ids on table's device: for entry b, the pages of slots
     table[rows[b], 0:kv_lens[b]:page_size], in order.
@@ -100,7 +104,9 @@ def kv_page_indices(
     table: [num_rows, max_ctx] int32/int64 token slots (a page's tokens sit in
     consecutive slots from a multiple of page_size); rows: [B] int on table's device.
     Only B-sized metadata crosses to the device and every output size comes from the
-    host lengths, so no call waits for the device."""
+    host lengths, so no call waits for the device. stage: copies host int64 vectors
+    to the device as one concatenation (the runner's pinned stager, so the copy is
+    truly asynchronous); by default a plain non-blocking copy each."""
     pages = [(n + page_size - 1) // page_size for n in kv_lens]
     if len(pages) != rows.shape[0] or rows.device != table.device:
         raise ValueError(f"{len(pages)} kv lengths for rows {list(rows.shape)} on {rows.device}")
@@ -109,9 +115,15 @@ def kv_page_indices(
         return torch.empty(0, dtype=torch.int32, device=table.device)
     counts = torch.tensor(pages, dtype=torch.int64)
     first = torch.cumsum(counts, 0) - counts  # [B] host: each entry's first output index
-    counts = counts.to(table.device, non_blocking=True)
+    b = counts.shape[0]
+    if stage is not None:
+        both = stage([counts, first])
+        counts, first = both[:b], both[b:]
+    else:
+        counts = counts.to(table.device, non_blocking=True)
+        first = first.to(table.device, non_blocking=True)
     # per entry (row, first output index), repeated once per page of the entry
-    per_entry = torch.stack([rows.to(torch.int64), first.to(table.device, non_blocking=True)], 1)
+    per_entry = torch.stack([rows.to(torch.int64), first], 1)
     per_page = torch.repeat_interleave(per_entry, counts, dim=0, output_size=nnz)  # [nnz, 2]
     col = (torch.arange(nnz, dtype=torch.int64, device=table.device) - per_page[:, 1]) * page_size
     slots = table[per_page[:, 0], col]  # [nnz] first slot of each page

@@ -337,7 +337,7 @@ class ModelRunner:
         n = inp.num_new_tokens
         ps = self.kv_pool.page_size
         kv_indptr, last_len = fi.kv_page_layout(inp.seq_lens, ps)
-        indices = fi.kv_page_indices(table.table, rows, inp.seq_lens, ps)
+        indices = fi.kv_page_indices(table.table, rows, inp.seq_lens, ps, self.stager.stage)
         kv = (self.kv_pool.k_buffers, self.kv_pool.v_buffers)
         sw = self.config.sliding_window
         if all(k == 1 for k in n):
@@ -357,7 +357,7 @@ class ModelRunner:
         assert self.slot_table is not None
         ps = self.kv_pool.page_size
         kv_indptr, last_len = fi.kv_page_layout(lens, ps)
-        indices = fi.kv_page_indices(self.slot_table.table, rows, lens, ps)
+        indices = fi.kv_page_indices(self.slot_table.table, rows, lens, ps, self.stager.stage)
         wrapper.plan(kv_indptr, indices, last_len, sliding_window=self.config.sliding_window)
 
     def statistics(self) -> RunnerStats:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-RING = 4  # staging buffers; the host runs at most this many copies ahead of the device
+RING = 8  # staging buffers; the host runs at most this many copies ahead of the device
 
 
 class PinnedStager:

@@ -29,6 +29,7 @@ import types
 import pytest
 import torch
 
+from shunter.actors.executor.slot_table import PinnedStager
 from shunter.kernels.attention_decode import attention_decode_ref
 from shunter.kernels.attention_extend import attention_extend_ref
 from shunter.kernels.attention_flashinfer import (
@@ -99,6 +100,8 @@ def test_kv_page_indices(page_size, dtype):
     tables, _ = _scatter(lens, page_size, gen)
     table, rows = _row_table(tables, 11, gen, dtype)
     got = kv_page_indices(table, rows, lens, page_size)
+    staged = kv_page_indices(table, rows, lens, page_size, PinnedStager(table.device).stage)
+    assert torch.equal(staged, got)  # the runner's pinned staging path
     want = [
         int(table[r, j]) // page_size
         for r, n in zip(rows.tolist(), lens, strict=True)

@@ -117,6 +117,7 @@ class DecodeGraphs:
         sizes = sorted(self.sizes, reverse=True)
         for bs in tqdm(sizes, desc="capturing decode graphs", unit="graph", disable=not progress):
             self._plan_flashinfer(bs, [1] * bs)
+            stream.wait_stream(torch.cuda.current_stream(r.device))  # the plan's copies first
             with torch.cuda.stream(stream):
                 for _ in range(2):  # compiles the Triton kernels, settles the allocator
                     self._body(bs)

@@ -12,7 +12,8 @@ eos_token_ids as a comma-separated string), then feeds every batch to
 `ExecutorCore.submit` in a worker thread, so the event loop keeps moving messages while
 the model computes. submit launches the batch and answers the one submitted before it,
 so while batches keep coming (the overlap scheduler sends step N+1 before it reads step
-N's result) each forward is launched before the previous step's tokens are read. When
+N's result) each forward is launched before the previous step's tokens are read, unless
+that step is already done on the device (then its result goes out first). When
 no further batch is waiting after a submit, the shell waits for whichever comes
 first: the next batch (submitted at once: the overlap goes on) or the device
 finishing the step in flight (`wait_step_ready`); then it calls `flush` and
@@ -76,10 +77,15 @@ async def run(config: ExecutorConfig, bus: Bus, *, core: ExecutorCore | None = N
 
 
 async def _serve(core: ExecutorCore, sub: Subscription, bus: Bus) -> None:
-    """submit every batch; flush whenever no next batch is already waiting."""
+    """submit every batch; flush whenever no next batch is already waiting, and before
+    a submit when the step in flight is already done (always on a CPU, where a forward
+    runs inside submit: holding its result through the next forward would only delay
+    it by a step)."""
     submitted: deque[int] = deque()  # perf_counter_ns at the submit of each unanswered step
     batch = await _receive(sub)
     while batch is not None:
+        if submitted and core.step_ready():
+            await _publish(bus, await anyio.to_thread.run_sync(core.flush), submitted)
         submitted.append(time.perf_counter_ns())
         await _publish(bus, await anyio.to_thread.run_sync(core.submit, batch), submitted)
         batch = _receive_nowait(sub) or await _receive_unless_ready(core, sub)

@@ -209,6 +209,44 @@ async def test_a_batch_arriving_before_the_device_is_done_is_submitted_first(con
     assert [r.token_ids for r in got] == [direct.step(b).token_ids for b in bs]
 
 
+@pytest.mark.anyio
+async def test_a_step_done_on_the_cpu_is_answered_before_the_next_is_submitted(config):
+    """On a CPU a forward runs inside submit, so a step is done when submit returns: its
+    result goes out before the next batch (already queued) is submitted, not a step late."""
+    core = build_core(config)
+    calls: list[str] = []
+    queued = threading.Event()
+    submit, flush = core.submit, core.flush
+
+    def logged_submit(b):
+        if b.step_id == 0:
+            queued.wait(timeout=30)  # step 1 is queued while step 0 runs
+        calls.append(f"submit {b.step_id}")
+        return submit(b)
+
+    def logged_flush():
+        out = flush()
+        calls.extend(f"answer {r.step_id}" for r in out)
+        return out
+
+    core.submit, core.flush = logged_submit, logged_flush
+    hub = InProcHub()
+    exec_bus, sched_bus = hub.connect("executor.0"), hub.connect("scheduler")
+    bs = overlap_batches()[:2]
+    async with anyio.create_task_group() as tg:
+        async with sched_bus.subscribe("sched.result", "health.ready") as sub:
+            tg.start_soon(lambda: run(config, exec_bus, core=core))
+            with anyio.fail_after(60):
+                assert isinstance((await sub.receive()).msg, Ready)
+                for b in bs:
+                    await sched_bus.publish(b)
+                queued.set()
+                got = [(await sub.receive()).msg for _ in bs]
+        tg.cancel_scope.cancel()
+    assert [r.step_id for r in got] == [0, 1]
+    assert calls == ["submit 0", "answer 0", "submit 1", "answer 1"]
+
+
 @pytest.mark.parametrize(
     ("kw", "needle"),
     [

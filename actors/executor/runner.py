@@ -256,7 +256,7 @@ class ModelRunner:
         table = self.slot_table if inp.row_ids is not None else None
         if table is not None:
             table.update(inp.row_ids, inp.fresh or [False] * len(n), n, inp.seq_lens,
-                         inp.slot_tables)  # fmt: skip
+                         inp.slot_tables, out_slots)  # fmt: skip
         self._num_forwards += 1
         self._num_tokens += inp.input_ids.shape[0]
         graphs = self.graphs

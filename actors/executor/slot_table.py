@@ -97,8 +97,20 @@ class DeviceSlotTable:
         num_new_tokens: list[int],
         seq_lens: list[int],
         slot_tables: list[torch.Tensor],
+        out_slots: torch.Tensor | None = None,
     ) -> None:
-        """Write what this step changed (see the module docstring)."""
+        """Write what this step changed (see the module docstring). out_slots: the new
+        tokens' slots [sum(num_new_tokens)] on the host, when the caller has them (an
+        all-decode step then needs no per-entry work)."""
+        n = len(row_ids)
+        if out_slots is not None and out_slots.shape[0] == n and not any(fresh):
+            if max(row_ids) >= self.num_rows or min(row_ids) < 0 or max(seq_lens) > self.width:
+                raise ValueError(f"a row or length outside the {self.num_rows} x "
+                                 f"{self.width} slot table")  # fmt: skip
+            pos = torch.tensor(seq_lens) - 1
+            dev = self.stager.stage([torch.tensor(row_ids), pos, out_slots.long()])
+            self.table[dev[:n], dev[n : 2 * n]] = dev[2 * n :].to(torch.int32)
+            return
         rows: list[int] = []
         starts: list[int] = []
         slots: list[torch.Tensor] = []

@@ -129,3 +129,19 @@ def test_attention_backend_resolution():
         resolve_backend("flashinfer", cuda, torch.bfloat16, head_dim=16)
     with pytest.raises(ValueError, match="bf16 or fp16"):
         resolve_backend("flashinfer", cuda, torch.float32)
+
+
+def test_slot_table_decode_fast_path_writes_and_checks():
+    from shunter.actors.executor.slot_table import DeviceSlotTable
+
+    t = DeviceSlotTable(3, 8, pad_slot=99, device=torch.device("cpu"))
+    tables = [torch.tensor([5, 6, 7]), torch.tensor([1])]
+    t.update([0, 2], [True, True], [3, 1], [3, 1], tables)  # prefills: the generic path
+    tables = [torch.tensor([5, 6, 7, 9]), torch.tensor([1, 4])]
+    t.update([0, 2], [False, False], [1, 1], [4, 2], tables, torch.tensor([9, 4]))
+    assert t.table[0, :4].tolist() == [5, 6, 7, 9] and t.table[2, :2].tolist() == [1, 4]
+    assert t.table[3, 0] == 99  # the padding row
+    with pytest.raises(ValueError, match="slot table"):
+        t.update([3], [False], [1], [1], [torch.tensor([0])], torch.tensor([0]))
+    with pytest.raises(ValueError, match="slot table"):
+        t.update([0], [False], [1], [9], [torch.arange(9)], torch.tensor([8]))

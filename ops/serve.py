@@ -203,6 +203,9 @@ def build_config(spec: ActorSpec, a: ServerArgs, ready: Mapping[str, Ready], see
             source = resolve_model(a.model_path)
             info = public_server_info(a) | {
                 "num_kv_pages": facts["num_pages"], "max_context_len": facts["max_context_len"],
+                "max_total_num_tokens": facts["num_pages"] * facts["page_size"],
+                # what the executor resolved: device, dtype, attention backend, graphs
+                "executor": dict(ready[EXECUTOR_ID].info),
             }  # fmt: skip
             return GatewayConfig(
                 actor_id=spec.actor_id, host=a.host, port=a.port, api_key=a.api_key,

@@ -200,5 +200,8 @@ def test_the_server_is_healthy_after_all_that(server):
     status, body = server.get("/get_server_info")
     info = json.loads(body)
     assert status == 200 and info["max_prefill_tokens"] == 16384
+    ex = info["executor"]  # what the executor resolved from the arguments
+    assert (ex["device"], ex["attention_backend"], ex["cuda_graph_max_bs"]) == ("cpu", "torch", 0)
+    assert info["max_total_num_tokens"] == ex["num_pages"] * ex["page_size"]
     if server.mode != "attached":  # the config file's values reached the server
         assert (info["max_total_tokens"], info["heartbeat_interval"]) == (32768, 0.5)

@@ -129,6 +129,8 @@ def test_configs_follow_the_server_args_and_the_executor_ready():
     assert gw.max_context_len == 2048
     assert gw.server_info["api_key"] == "<set>" and "sekret" not in str(gw.server_info)
     assert gw.server_info["max_prefill_tokens"] == 777
+    assert gw.server_info["max_total_num_tokens"] == 4096  # the executor's pool
+    assert gw.server_info["executor"] == dict(EXECUTOR_READY[EXECUTOR_ID].info)
 
 
 def test_an_impossible_context_length_is_a_clear_start_error():

@@ -131,7 +131,7 @@ def _admit(
             rem_total -= len(r.pages) * ps + ratio * min(r.remaining_new_tokens(), clip)
     num_slots = min(cfg.max_running_requests - len(core.running), core.rows.num_free)
     order = core.order.order(core.waiting.values(), core.now_ns)
-    sharers = _Sharers(core) if cfg.in_batch_prefix_sharing else None
+    sharers: _Sharers | None = None  # made on the first candidate (a decode step has none)
     stop_at = len(order)  # first candidate left for a later step
     lookahead = True  # size the lease for the next step's admission when we stop
     for i, r in enumerate(order):
@@ -146,6 +146,8 @@ def _admit(
             r.refresh_version = core.tree_version_estimate
             core._n["refreshes"] += 1
             continue
+        if cfg.in_batch_prefix_sharing and sharers is None:
+            sharers = _Sharers(core)
         if sharers is not None and sharers.defers(r):
             core._n["in_batch_deferred"] += 1
             continue  # its shared prefix is being computed: re-match it once cached
@@ -214,18 +216,18 @@ class _Sharers:
 
     def defers(self, r: Req) -> bool:
         """Whether r shares at least key_len uncached tokens, in whole pages, with one
-        of the prompts being computed."""
+        of the prompts being computed: both start with the same tokens up to `end`, the
+        first page boundary that far past r's match (one slice compare each, in C)."""
         key = self._key(r)
-        if key is None or r.num_cached >= r.num_prompt - self.key_len:
+        if key is None:
             return False
-        mine = r.all_ids[: r.num_prompt - 1]  # its last token is always computed
-        for other in self.by_key.get(key, ()):
-            theirs = other.all_ids[: other.num_prompt]
-            n = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b),
-                     min(len(mine), len(theirs)))  # fmt: skip
-            if n // self.ps * self.ps - r.num_cached >= max(self.key_len, self.ps):
-                return True
-        return False
+        end = -(-(r.num_cached + max(self.key_len, self.ps)) // self.ps) * self.ps
+        if end > r.num_prompt - 1:  # r's last prompt token is always computed
+            return False
+        head = r.all_ids[:end]
+        return any(
+            o.num_prompt >= end and o.all_ids[:end] == head for o in self.by_key.get(key, ())
+        )
 
 
 def _next_admission_pages(core: SchedulerCore, order: list[Req], num_slots: int) -> int:

@@ -21,8 +21,10 @@ graph) from the same rows and lengths.
 The rope table is grown to the table's width before capture, so no captured step
 ever reallocates it. Captures run largest first and share one memory pool.
 
-Invariants: a replay's entries are all decode (one new token each) and the slot
-table already holds their new token's slot (runner.forward updates it first); the
+Invariants: a replay's entries are all decode (one new token each), within the slot
+table (runner.forward checks), and the table holds every slot before their new one (a
+row that just opened is copied by runner.forward first); `run` writes the new slots
+from the staged block before anything reads them; the
 returned logits are a view of the bucket's output, valid until the next replay of
 that bucket (the executor samples from them before it launches another step).
 Without CUDA (`capture=False`) the same padded path runs eagerly: what the CPU tests
@@ -151,6 +153,9 @@ class DecodeGraphs:
         self.runner.stager.stage([block], out=dev_block.view(-1))
         if ids_on_device:
             dev_block[0, :bs].copy_(inp.input_ids)
+        # the new tokens' slots enter the slot table from the block itself (a decode
+        # token's position is its cell); padded rows rewrite the padding cell
+        self.runner.slot_table.write(dev_block[2], dev_block[1], dev_block[4])
         self._plan_flashinfer(bucket, list(inp.seq_lens) + [1] * (bucket - bs))
         self.num_replays += 1
         if self.capture:

@@ -254,17 +254,22 @@ class ModelRunner:
             [t[s - k : s] for t, k, s in zip(inp.slot_tables, n, inp.seq_lens, strict=True)]
         )  # [T] host
         table = self.slot_table if inp.row_ids is not None else None
-        if table is not None:
-            table.update(inp.row_ids, inp.fresh or [False] * len(n), n, inp.seq_lens,
-                         inp.slot_tables, out_slots)  # fmt: skip
-        self._num_forwards += 1
-        self._num_tokens += inp.input_ids.shape[0]
         graphs = self.graphs
         num_tokens = inp.input_ids.shape[0]
-        if (
+        replay = (
             table is not None and graphs is not None and num_tokens == len(n)
             and graphs.bucket(num_tokens) is not None
-        ):  # fmt: skip
+        )  # fmt: skip
+        fresh = inp.fresh or [False] * len(n)
+        if table is not None:
+            if replay and not any(fresh):
+                table.check(inp.row_ids, inp.seq_lens)  # the replay writes the new slots
+            else:
+                table.update(inp.row_ids, fresh, n, inp.seq_lens, inp.slot_tables, out_slots)
+        self._num_forwards += 1
+        self._num_tokens += num_tokens
+        if replay:
+            assert graphs is not None
             logits = graphs.run(inp, out_slots)
             if inp.logits_indices.shape[0] != num_tokens:
                 logits = logits.index_select(0, inp.logits_indices.to(self.device))
@@ -289,7 +294,11 @@ class ModelRunner:
         use_rows = table is not None and self.backend != "flashinfer" and bool(dec)
         ids_host = inp.input_ids.device.type == "cpu"
         parts = [inp.positions, out_slots] + ([inp.input_ids] if ids_host else [])
-        if use_rows:
+        if self.flashinfer is not None:
+            if table is None:
+                raise ValueError("the flashinfer backend needs ForwardInput.row_ids")
+            parts.append(torch.tensor(inp.row_ids))
+        elif use_rows:
             assert inp.row_ids is not None
             parts += [torch.tensor([inp.row_ids[i] for i in dec]),
                       torch.tensor([inp.seq_lens[i] for i in dec])]  # fmt: skip
@@ -302,7 +311,7 @@ class ModelRunner:
         sw = self.config.sliding_window
         kv = (self.kv_pool.k_buffers, self.kv_pool.v_buffers)
         if self.flashinfer is not None:
-            return self._flashinfer_context(inp, slots, table), ids, positions
+            return self._flashinfer_context(inp, slots, dev[at:]), ids, positions
         rd = None
         if use_rows:
             assert table is not None
@@ -325,40 +334,42 @@ class ModelRunner:
     # ---- flashinfer -------------------------------------------------------------------
 
     def _flashinfer_context(
-        self, inp: ForwardInput, out_slots: torch.Tensor, table: DeviceSlotTable | None
+        self, inp: ForwardInput, out_slots: torch.Tensor, rows: torch.Tensor
     ) -> AttentionContext:
-        from shunter.kernels import attention_flashinfer as fi
+        """Plan the step's flashinfer wrapper (decode, or extend when any entry has
+        several new tokens); rows: the entries' slot-table rows, on the device."""
+        from shunter.kernels.attention_flashinfer import extend_qo_indptr
 
         assert self.flashinfer is not None
-        if table is None:
-            raise ValueError("the flashinfer backend needs ForwardInput.row_ids")
-        assert inp.row_ids is not None
-        rows = self.stager.stage([torch.tensor(inp.row_ids)])
         n = inp.num_new_tokens
-        ps = self.kv_pool.page_size
-        kv_indptr, last_len = fi.kv_page_layout(inp.seq_lens, ps)
-        indices = fi.kv_page_indices(table.table, rows, inp.seq_lens, ps, self.stager.stage)
-        kv = (self.kv_pool.k_buffers, self.kv_pool.v_buffers)
         sw = self.config.sliding_window
+        layout = self._page_lists(rows, inp.seq_lens)
         if all(k == 1 for k in n):
-            self.flashinfer.plan_decode(kv_indptr, indices, last_len, sliding_window=sw)
+            self.flashinfer.plan_decode(*layout, sliding_window=sw)
             mode = "decode"
         else:
-            qo_indptr = fi.extend_qo_indptr(n)
-            self.flashinfer.plan_extend(qo_indptr, kv_indptr, indices, last_len, sliding_window=sw)
+            self.flashinfer.plan_extend(extend_qo_indptr(n), *layout, sliding_window=sw)
             mode = "extend"
+        kv = (self.kv_pool.k_buffers, self.kv_pool.v_buffers)
         return AttentionContext(*kv, out_slots, None, None, None, None,
                                 flashinfer=self.flashinfer, flashinfer_mode=mode)  # fmt: skip
 
     def plan_flashinfer_decode(self, wrapper, rows: torch.Tensor, lens: list[int]) -> None:
         """Plan a graph's fixed-buffer flashinfer decode for rows (device) of lengths lens."""
+        wrapper.plan(*self._page_lists(rows, lens), sliding_window=self.config.sliding_window)
+
+    def _page_lists(
+        self, rows: torch.Tensor, lens: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """flashinfer's (kv_indptr host, page ids device, last page lengths host) of
+        entries at slot-table `rows` (device) with KV lengths `lens`."""
         from shunter.kernels import attention_flashinfer as fi
 
         assert self.slot_table is not None
         ps = self.kv_pool.page_size
         kv_indptr, last_len = fi.kv_page_layout(lens, ps)
         indices = fi.kv_page_indices(self.slot_table.table, rows, lens, ps, self.stager.stage)
-        wrapper.plan(kv_indptr, indices, last_len, sliding_window=self.config.sliding_window)
+        return kv_indptr, indices, last_len
 
     def statistics(self) -> RunnerStats:
         return RunnerStats(self._num_forwards, self._num_tokens, self._num_logits)

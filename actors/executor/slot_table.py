@@ -104,12 +104,10 @@ class DeviceSlotTable:
         all-decode step then needs no per-entry work)."""
         n = len(row_ids)
         if out_slots is not None and out_slots.shape[0] == n and not any(fresh):
-            if max(row_ids) >= self.num_rows or min(row_ids) < 0 or max(seq_lens) > self.width:
-                raise ValueError(f"a row or length outside the {self.num_rows} x "
-                                 f"{self.width} slot table")  # fmt: skip
+            self.check(row_ids, seq_lens)
             pos = torch.tensor(seq_lens) - 1
             dev = self.stager.stage([torch.tensor(row_ids), pos, out_slots.long()])
-            self.table[dev[:n], dev[n : 2 * n]] = dev[2 * n :].to(torch.int32)
+            self.write(dev[:n], dev[n : 2 * n], dev[2 * n :])
             return
         rows: list[int] = []
         starts: list[int] = []
@@ -135,4 +133,15 @@ class DeviceSlotTable:
             pos_of = torch.arange(num) - torch.repeat_interleave(first - torch.tensor(starts),
                                                                  counts)  # fmt: skip
         dev = self.stager.stage([row_of, pos_of, torch.cat(slots).long()])
-        self.table[dev[:num], dev[num : 2 * num]] = dev[2 * num :].to(torch.int32)
+        self.write(dev[:num], dev[num : 2 * num], dev[2 * num :])
+
+    def check(self, row_ids: list[int], seq_lens: list[int]) -> None:
+        """ValueError unless every row and length fits the table (an index past it
+        would fault on the device)."""
+        if max(row_ids) >= self.num_rows or min(row_ids) < 0 or max(seq_lens) > self.width:
+            raise ValueError(f"a row or length outside the {self.num_rows} x "
+                             f"{self.width} slot table")  # fmt: skip
+
+    def write(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """table[rows[i], positions[i]] = slots[i]; all three int64 on the table's device."""
+        self.table[rows, positions] = slots.to(torch.int32)

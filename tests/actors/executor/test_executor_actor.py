@@ -5,6 +5,7 @@ step in flight and no batch queued, it waits for whichever comes first, the next
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 
@@ -171,6 +172,21 @@ def overlap_batches() -> list[ForwardBatch]:
     return out
 
 
+@contextlib.asynccontextmanager
+async def actor_on_hub(config, core):
+    """The executor actor serving `core` on an in-process hub, Ready: yields the
+    scheduler's bus and its subscription to the results."""
+    hub = InProcHub()
+    exec_bus, sched_bus = hub.connect("executor.0"), hub.connect("scheduler")
+    async with anyio.create_task_group() as tg:
+        async with sched_bus.subscribe("sched.result", "health.ready") as sub:
+            tg.start_soon(lambda: run(config, exec_bus, core=core))
+            with anyio.fail_after(60):
+                assert isinstance((await sub.receive()).msg, Ready)
+                yield sched_bus, sub
+        tg.cancel_scope.cancel()
+
+
 @pytest.mark.anyio
 async def test_a_batch_arriving_before_the_device_is_done_is_submitted_first(config):
     """The device is played by a gate the test opens: until then each step stays in
@@ -184,24 +200,17 @@ async def test_a_batch_arriving_before_the_device_is_done_is_submitted_first(con
 
     core.step_ready = gate.is_set
     core.wait_step_ready = wait_step_ready
-    hub = InProcHub()
-    exec_bus, sched_bus = hub.connect("executor.0"), hub.connect("scheduler")
     bs, got = overlap_batches(), []
-    async with anyio.create_task_group() as tg:
-        async with sched_bus.subscribe("sched.result", "health.ready") as sub:
-            tg.start_soon(lambda: run(config, exec_bus, core=core))
-            with anyio.fail_after(60):
-                assert isinstance((await sub.receive()).msg, Ready)
-                for b in bs:
-                    await sched_bus.publish(b)
-                    # in flight, nothing queued: the shell waits for a batch or the device
-                    await anyio.to_thread.run_sync(waiting.acquire)
-                    if b.step_id:  # the next submit answered the step before it
-                        got.append((await sub.receive()).msg)
-                assert not gate.is_set() and [r.step_id for r in got] == [0, 1, 2]
-                gate.set()  # the device finishes step 3: flushed
+    async with actor_on_hub(config, core) as (sched_bus, sub):
+        for b in bs:
+            await sched_bus.publish(b)
+            # in flight, nothing queued: the shell waits for a batch or the device
+            await anyio.to_thread.run_sync(waiting.acquire)
+            if b.step_id:  # the next submit answered the step before it
                 got.append((await sub.receive()).msg)
-        tg.cancel_scope.cancel()
+        assert not gate.is_set() and [r.step_id for r in got] == [0, 1, 2]
+        gate.set()  # the device finishes step 3: flushed
+        got.append((await sub.receive()).msg)
 
     assert [r.step_id for r in got] == [0, 1, 2, 3]
     assert all(r.error is None and r.forward_us > 0 for r in got)
@@ -230,19 +239,12 @@ async def test_a_step_done_on_the_cpu_is_answered_before_the_next_is_submitted(c
         return out
 
     core.submit, core.flush = logged_submit, logged_flush
-    hub = InProcHub()
-    exec_bus, sched_bus = hub.connect("executor.0"), hub.connect("scheduler")
     bs = overlap_batches()[:2]
-    async with anyio.create_task_group() as tg:
-        async with sched_bus.subscribe("sched.result", "health.ready") as sub:
-            tg.start_soon(lambda: run(config, exec_bus, core=core))
-            with anyio.fail_after(60):
-                assert isinstance((await sub.receive()).msg, Ready)
-                for b in bs:
-                    await sched_bus.publish(b)
-                queued.set()
-                got = [(await sub.receive()).msg for _ in bs]
-        tg.cancel_scope.cancel()
+    async with actor_on_hub(config, core) as (sched_bus, sub):
+        for b in bs:
+            await sched_bus.publish(b)
+        queued.set()
+        got = [(await sub.receive()).msg for _ in bs]
     assert [r.step_id for r in got] == [0, 1]
     assert calls == ["submit 0", "answer 0", "submit 1", "answer 1"]
 

@@ -314,6 +314,9 @@ class ExecutorCore:
         """[num_tokens] int64 new tokens; on the model's device when an entry's first
         token is a sample still there (gathered from _last_tokens, no host read)."""
         if num_tokens == len(entries):  # all decode: one token per entry
+            if all(e.from_device for e in entries):  # every input is a sample in flight
+                rows = device_tensor([e.row_idx for e in entries], self._last_tokens.device)
+                return self._last_tokens[rows]
             ids = torch.tensor([e.ids[0] for e in entries])
             firsts = list(range(len(entries)))
         else:

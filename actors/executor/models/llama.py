@@ -2,10 +2,10 @@
 
 Theory of operation: tokens of all entries of a step are one flat [num_tokens] axis
 (no batch/padding axis); positions come with them. Each layer: RMSNorm, one fused
-qkv projection (optional bias), optional per-head q/k RMSNorm (Qwen3), rope, paged
-attention through the step's AttentionContext (which stores the new K/V in the pool
-first), output projection, fused add+RMSNorm, fused gate/up projection, SiLU*up,
-down projection. Logits are computed by the runner only for the rows it needs.
+qkv projection (optional bias), optional per-head q/k RMSNorm (Qwen3), rope and the
+store of the new K/V into the pool (one op without q/k norms), paged attention through
+the step's AttentionContext, output projection, fused add+RMSNorm, fused gate/up
+projection, and the down projection of SiLU(gate)*up (one op: kernels/linear.py). Logits are computed by the runner only for the rows it needs.
 The ops (kernels/*.py) dispatch on the tensors' device: CUDA runs their Triton kernels,
 where rope rotates the q/k heads in place; everything else the torch path.
 
@@ -21,14 +21,23 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shunter.actors.executor.models.attention import AttentionContext, paged_attention
 from shunter.actors.executor.models.config import ModelConfig
+from shunter.kernels.linear import linear, silu_mul_linear
 from shunter.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from shunter.kernels.rope import rope_cos_sin_cache, rope_gather, rope_rotate
+from shunter.kernels.rope_kv_store import rope_kv_store
 from shunter.kernels.silu_mul import silu_mul
+
+
+def project(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A projection through kernels/linear.py (the skinny decode kernel on CUDA), or
+    through the module itself when models.quant swapped it for a packed one."""
+    if type(mod) is nn.Linear:
+        return linear(x, mod.weight, mod.bias)
+    return mod(x)
 
 
 class RMSNorm(nn.Module):
@@ -66,18 +75,22 @@ class LlamaAttention(nn.Module):
         ctx: AttentionContext,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, q + 2 kv]
+        qkv = project(self.qkv_proj, x)  # [T, q + 2 kv]
         qk_size = self.q_size + self.kv_size
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q = self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size : qk_size].view(num_tokens, self.num_kv_heads, -1))
             q, k = rope_rotate(q, *rope), rope_rotate(k, *rope)
-        else:  # q and k rotated in one pass: [T, H + Hkv, D]
-            qk = rope_rotate(qkv[:, :qk_size].view(num_tokens, -1, self.head_dim), *rope)
+            stored = False
+        else:  # q and k rotated in one pass ([T, H + Hkv, D]) that also stores k and v
+            i = self.layer_idx
+            qk = rope_kv_store(qkv[:, :qk_size].view(num_tokens, -1, self.head_dim), v, rope,
+                               ctx.k_buffers[i], ctx.v_buffers[i], ctx.out_slots, self.num_heads)  # fmt: skip
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        o = paged_attention(ctx, self.layer_idx, q, k, v, self.scale)  # [T, H, D]
-        return self.o_proj(o.reshape(num_tokens, self.q_size))
+            stored = True
+        o = paged_attention(ctx, self.layer_idx, q, k, v, self.scale, stored=stored)  # [T, H, D]
+        return project(self.o_proj, o.reshape(num_tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -88,7 +101,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        gate_up = project(self.gate_up_proj, x)
+        if type(self.down_proj) is nn.Linear:  # SwiGLU folded into the projection's load
+            return silu_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
+        return self.down_proj(silu_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -193,8 +209,8 @@ class LlamaForCausalLM(nn.Module):
         if self.logits_head is not None:
             return self.logits_head(hidden).float()
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return F.linear(hidden, self.model.embed_tokens.weight).float()
+            return project(self.lm_head, hidden).float()
+        return linear(hidden, self.model.embed_tokens.weight).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -1,0 +1,145 @@
+"""Skinny Triton projection (kernels/linear_triton.py) and the fused rope + KV store
+(kernels/rope_kv_store_triton.py) against their torch references. Without CUDA they run
+under TRITON_INTERPRET=1 on the CPU at small, odd shapes in float32 (the interpreter's
+bf16 dots are wrong); with CUDA also bf16 at Llama-3-8B shapes (`gpu`).
+
+Tolerances: float32 projections 1e-4 relative (float32 dots, another summation order);
+bf16 projections against a float32 reference rounded to bf16: 2 bf16 ulps (1.6e-2) of
+the largest output. Rope + store: float32 exact against rope then kv_store; bf16 the
+same kernels' rounding (exact on the GPU)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from shunter.kernels.linear import linear, linear_ref, silu_mul_linear, silu_mul_linear_ref
+from shunter.kernels.linear_triton import MAX_ROWS, linear_skinny_triton
+from shunter.kernels.rope import rope_cos_sin_cache, rope_gather_torch, rope_rotate_torch
+from shunter.kernels.rope_kv_store import rope_kv_store, rope_kv_store_ref
+from shunter.kernels.rope_kv_store_triton import rope_kv_store_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _randn(*shape, dtype=torch.float32, seed=0, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+
+def _close(got, want, rel):
+    scale = want.float().abs().max().clamp(min=1.0)
+    torch.testing.assert_close(got.float(), want.float(), atol=rel * float(scale), rtol=rel)
+
+
+@pytest.mark.parametrize("m", [1, 3, MAX_ROWS])
+@pytest.mark.parametrize(("n", "k"), [(40, 64), (33, 300)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_matches_reference(m, n, k, bias):
+    x, w = _randn(m, k, seed=1), _randn(n, k, seed=2) * 0.1
+    b = _randn(n, seed=3) if bias else None
+    y = linear_skinny_triton(x, w, b, config=(16, 64, 4, 2))
+    assert y.shape == (m, n) and y.dtype == x.dtype
+    _close(y, linear_ref(x, w, b), 1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_skinny_silu_mul_linear_matches_reference(m):
+    k = 96
+    x, w = _randn(m, 2 * k, seed=4) * 3, _randn(24, k, seed=5) * 0.1
+    y = linear_skinny_triton(x, w, silu_mul=True, config=(16, 64, 4, 2))
+    _close(y, silu_mul_linear_ref(x, w), 1e-4)
+
+
+def test_skinny_linear_reads_strided_rows():
+    base = _randn(4, 100, seed=6)
+    x = base[:, :64]  # row stride 100
+    w = _randn(16, 64, seed=7)
+    _close(linear_skinny_triton(x, w, config=(16, 64, 4, 2)), linear_ref(x, w), 1e-4)
+
+
+def test_skinny_linear_rejects_a_width_mismatch():
+    with pytest.raises(ValueError, match="columns"):
+        linear_skinny_triton(_randn(2, 10), _randn(8, 12))
+    with pytest.raises(ValueError, match="silu_mul"):
+        linear_skinny_triton(_randn(2, 12), _randn(8, 12), silu_mul=True)
+
+
+def test_dispatch_takes_the_torch_path_off_cuda_and_for_many_rows():
+    x, w = _randn(3, 8, device="cpu"), _randn(5, 8, device="cpu")
+    torch.testing.assert_close(linear(x, w), x @ w.t())
+    g = _randn(3, 16, device="cpu")
+    torch.testing.assert_close(silu_mul_linear(g, w), silu_mul_linear_ref(g, w))
+
+
+def _rope_case(t, hq, hkv, d, dtype, seed=0, num_slots=40):
+    qkv = _randn(t, (hq + 2 * hkv) * d, dtype=dtype, seed=seed)
+    qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+    positions = torch.randperm(50, generator=torch.Generator().manual_seed(seed))[:t].to(DEVICE)
+    slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(seed + 1))[:t]
+    cache = rope_cos_sin_cache(d, 64, 10000.0).to(DEVICE)
+    kc = torch.zeros(num_slots, hkv, d, dtype=dtype, device=DEVICE)
+    return qk, v, positions, slots.to(DEVICE), cache, kc, torch.zeros_like(kc)
+
+
+@pytest.mark.parametrize(("t", "hq", "hkv", "d"), [(1, 4, 2, 8), (5, 3, 1, 16), (7, 6, 3, 32)])
+def test_rope_kv_store_triton_matches_rope_then_store(t, hq, hkv, d):
+    qk, v, pos, slots, cache, kc, vc = _rope_case(t, hq, hkv, d, torch.float32, seed=t)
+    cpu = torch.device("cpu")
+    want_kc, want_vc = kc.to(cpu).clone(), vc.to(cpu).clone()
+    rope = rope_gather_torch(cache.to(cpu), pos.to(cpu))
+    want = rope_kv_store_ref(qk.to(cpu).clone(), v.to(cpu), rope, want_kc, want_vc,
+                             slots.to(cpu), hq)  # fmt: skip
+    rope_kv_store_triton(qk, v, pos, cache, kc, vc, slots, hq)
+    torch.testing.assert_close(qk.to(cpu), want, atol=1e-6, rtol=1e-6)  # rotated in place
+    torch.testing.assert_close(kc.to(cpu), want_kc, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(vc.to(cpu), want_vc)
+
+
+def test_rope_kv_store_on_the_cpu_returns_the_rotation_and_stores():
+    qk, v, pos, slots, cache, kc, vc = _rope_case(3, 2, 1, 8, torch.float32)
+    qk, v, pos, slots, cache, kc, vc = (a.cpu() for a in (qk, v, pos, slots, cache, kc, vc))
+    rope = rope_gather_torch(cache, pos)
+    out = rope_kv_store(qk, v, rope, kc, vc, slots, 2)
+    torch.testing.assert_close(out, rope_rotate_torch(qk, *rope))
+    torch.testing.assert_close(kc[slots], out[:, 2:])
+    torch.testing.assert_close(vc[slots], v)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (57344, 4096), (128256, 4096)])
+def test_skinny_linear_bf16_at_llama_shapes(m, n, k):
+    x, w = _randn(m, k, dtype=torch.bfloat16, seed=8), _randn(n, k, dtype=torch.bfloat16) * 0.02
+    _close(linear(x, w), linear_ref(x, w), 1.6e-2)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16])
+def test_skinny_silu_mul_linear_bf16_at_llama_shape(m):
+    x = _randn(m, 2 * 14336, dtype=torch.bfloat16, seed=9) * 2
+    w = _randn(4096, 14336, dtype=torch.bfloat16, seed=10) * 0.02
+    _close(silu_mul_linear(x, w), silu_mul_linear_ref(x, w), 1.6e-2)
+
+
+@gpu
+@pytest.mark.gpu
+def test_rope_kv_store_bf16_at_llama_shape_equals_the_separate_kernels():
+    from shunter.kernels.kv_store_triton import kv_store_triton
+    from shunter.kernels.rope_triton import rope_rotate_triton
+
+    qk, v, pos, slots, cache, kc, vc = _rope_case(64, 32, 8, 128, torch.bfloat16, num_slots=4096)
+    qk2, kc2, vc2 = qk.clone(), kc.clone(), vc.clone()
+    rope_kv_store_triton(qk, v, pos, cache, kc, vc, slots, 32)
+    rope_rotate_triton(qk2, pos, cache)
+    kv_store_triton(kc2, vc2, slots, qk2[:, 32:], v)
+    assert torch.equal(qk, qk2) and torch.equal(kc, kc2) and torch.equal(vc, vc2)

@@ -16,7 +16,10 @@ asynchronously); every layer then calls `decode` / `extend`, which only launch
 kernels. Extend is causal within the new tokens, aligned to the end of the KV
 (flashinfer's causal mask for append). A sliding window of w keys is flashinfer's
 window_left = w - 1. The softmax scale arrives with the query: plans fix sm_scale at
-1 and runs pass q_scale=scale (flashinfer multiplies them). Decode uses the
+1 and runs pass q_scale=scale (flashinfer multiplies them). A prefill whose
+entries have no cached prefix (every KV token is new) attends the step's own q/k/v
+through the ragged wrapper (`plan_prefill` / `prefill`; fa3 on Hopper), with no page
+indices at all. Decode uses the
 tensor-core (prefill) kernel for GQA groups of 4 and more, and for the group sizes
 the CUDA-core decode kernel is not compiled for (it has 1, 2, 3, 4 and 8).
 `GraphDecode` is a decode wrapper in flashinfer's CUDA-graph mode: its indptr,
@@ -318,6 +321,14 @@ class FlashInferAttention(_Decoder):
         )
         self._extend_fence = _PlanFence(device)
         self._extend_rows: int | None = None
+        # prefill with no cached prefix: the new tokens' own q/k/v, no page walk ("auto"
+        # takes the SM90 fa3 kernels on Hopper, fa2 elsewhere)
+        self._ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+            self.workspace, "NHD", backend="auto"
+        )
+        self._ragged_fence = _PlanFence(device)
+        self._ragged_rows: int | None = None
+        self._ragged_scale = 0.0
         # [max_num_pages] int32: page ids of every graph decoder (one plan+replay at a time)
         self._graph_indices = torch.zeros(max_num_pages, dtype=torch.int32, device=device)
         self._graph_decoders: dict[int, GraphDecode] = {}
@@ -360,6 +371,49 @@ class FlashInferAttention(_Decoder):
         paged = self.geometry.paged(q, k_cache, v_cache, self._extend_rows)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         return self._extend.run(q, paged, out=out, q_scale=scale)
+
+    def plan_prefill(
+        self, qo_indptr: torch.Tensor, scale: float, *, sliding_window: int | None = None
+    ) -> None:
+        """Plan a prefill of entries with no cached prefix: qo_indptr [B+1] int32 on the
+        host names each entry's new tokens, which are all of its KV. The ragged wrapper
+        takes no q_scale, so the softmax scale is fixed here."""
+        g = self.geometry
+        if qo_indptr.dtype != torch.int32 or qo_indptr.device.type != "cpu":
+            raise ValueError("qo_indptr must be an int32 host tensor")
+        if qo_indptr.dim() != 1 or qo_indptr.shape[0] < 2 or int(qo_indptr[0]) != 0:
+            raise ValueError("qo_indptr must be [B+1] starting at 0 for B >= 1 entries")
+        if int((qo_indptr[1:] - qo_indptr[:-1]).min()) < 1:
+            raise ValueError("every prefill entry needs at least one token")
+        self._ragged_fence.wait()
+        self._ragged.plan(
+            qo_indptr, qo_indptr, g.num_heads, g.num_kv_heads, g.head_dim,
+            causal=True, **{**g.plan_kwargs(sliding_window), "sm_scale": scale},
+        )  # fmt: skip
+        self._ragged_fence.record()
+        self._ragged_rows = int(qo_indptr[-1])
+        self._ragged_scale = scale
+
+    def prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D], the same tokens' keys and values (any
+        token stride) -> [T, H, D], causal within each entry."""
+        g = self.geometry
+        if self._ragged_rows is None:
+            raise RuntimeError("plan before running attention")
+        if scale != self._ragged_scale:
+            raise ValueError(f"prefill planned with scale {self._ragged_scale}, run with {scale}")
+        shape = (self._ragged_rows, g.num_heads, g.head_dim)
+        kv_shape = (self._ragged_rows, g.num_kv_heads, g.head_dim)
+        if tuple(q.shape) != shape or tuple(k.shape) != kv_shape or k.shape != v.shape:
+            raise ValueError(f"prefill planned for q {list(shape)} and k/v {list(kv_shape)}, "
+                             f"got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")  # fmt: skip
+        for t in (q, k, v):
+            if t.dtype != g.dtype:
+                raise ValueError(f"planned for {g.dtype}, got {t.dtype}")
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        return self._ragged.run(q, k.contiguous(), v.contiguous(), out=out)
 
     def graph_decoder(self, batch_size: int) -> GraphDecode:
         """The decoder for exactly `batch_size` entries (one per size, made on first use)."""

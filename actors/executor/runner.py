@@ -336,8 +336,8 @@ class ModelRunner:
     def _flashinfer_context(
         self, inp: ForwardInput, out_slots: torch.Tensor, rows: torch.Tensor
     ) -> AttentionContext:
-        """Plan the step's flashinfer wrapper (decode, or extend when any entry has
-        several new tokens); rows: the entries' slot-table rows, on the device."""
+        """Plan the step's flashinfer wrapper: decode, prefill when every entry's KV is
+        all new, else extend; rows: the entries' slot-table rows, on the device."""
         from shunter.kernels.attention_flashinfer import extend_qo_indptr
 
         assert self.flashinfer is not None
@@ -347,6 +347,10 @@ class ModelRunner:
         if all(k == 1 for k in n):
             self.flashinfer.plan_decode(*layout, sliding_window=sw)
             mode = "decode"
+        elif list(n) == list(inp.seq_lens):  # nothing cached: attend the new tokens alone
+            scale = self.config.head_dim**-0.5
+            self.flashinfer.plan_prefill(extend_qo_indptr(n), scale, sliding_window=sw)
+            mode = "prefill"
         else:
             self.flashinfer.plan_extend(extend_qo_indptr(n), *layout, sliding_window=sw)
             mode = "extend"

@@ -23,6 +23,7 @@ rounded to bf16 (the kernels round the softmax weights to bf16 before the second
 
 from __future__ import annotations
 
+import itertools
 import sys
 import types
 
@@ -230,6 +231,37 @@ class _FakeExtend(_FakeDecode):
                    page_size, window_left, q_data_type, kv_data_type, sm_scale)  # fmt: skip
 
 
+class _FakeRagged:
+    """BatchPrefillWithRaggedKVCacheWrapper, likewise: the entries' own q/k/v, causal,
+    sm_scale fixed at plan time (its run takes no q_scale)."""
+
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", backend="auto"):
+        assert kv_layout == "NHD" and float_workspace_buffer.dtype == torch.uint8
+
+    def plan(
+        self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, *, causal=False,
+        window_left=-1, q_data_type="float16", kv_data_type=None, sm_scale=None,
+    ):  # fmt: skip
+        assert qo_indptr.device.type == "cpu" and torch.equal(qo_indptr, kv_indptr)
+        self.p = (qo_indptr.tolist(), causal, window_left, sm_scale)
+
+    def run(self, q, k, v, *, out=None):
+        indptr, causal, window_left, sm_scale = self.p
+        for q0, q1 in itertools.pairwise(indptr):
+            n = q1 - q0
+            rep = q.shape[1] // k.shape[1]
+            kk = k[q0:q1].float().repeat_interleave(rep, 1)
+            vv = v[q0:q1].float().repeat_interleave(rep, 1)
+            s = torch.einsum("mhd,nhd->hmn", q[q0:q1].float(), kk) * sm_scale
+            pos = torch.arange(n)
+            allowed = pos[None, :] >= pos[:, None] - (window_left if window_left >= 0 else n)
+            if causal:
+                allowed &= pos[None, :] <= pos[:, None]
+            s = s.masked_fill(~allowed, float("-inf")).softmax(-1)
+            out[q0:q1] = torch.einsum("hmn,nhd->mhd", s, vv).to(out.dtype)
+        return out
+
+
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def device(request, monkeypatch):
     """cpu: the fake wrappers above stand in for flashinfer; cuda: the real one."""
@@ -237,6 +269,7 @@ def device(request, monkeypatch):
         fake = types.SimpleNamespace(
             BatchDecodeWithPagedKVCacheWrapper=_FakeDecode,
             BatchPrefillWithPagedKVCacheWrapper=_FakeExtend,
+            BatchPrefillWithRaggedKVCacheWrapper=_FakeRagged,
         )
         monkeypatch.setitem(sys.modules, "flashinfer", fake)
         return torch.device("cpu")
@@ -307,6 +340,39 @@ def test_extend_matches_ref(device, heads, page_size):
         out = fa.extend(q, k, v, scale)
         ref = attention_extend_ref(q, k, v, num_new, tables, scale, sliding_window=window)
         torch.testing.assert_close(out.float(), ref.float(), **TOL)
+
+
+@pytest.mark.parametrize("heads", HEADS)
+def test_prefill_without_a_prefix_matches_ref(device, heads):
+    """The ragged path: every entry's KV is its new tokens, read from the step's own
+    k/v (strided views, as the model passes them), against the paged extend reference
+    over the same tokens stored in a pool."""
+    num_new = [1, 37, 20, _long(1100, device), 64]
+    for window in _windows(heads):
+        fa, k_pool, v_pool, q, tables, _ = _setup(
+            heads, 1, num_new, device, seed=11, num_q_rows=sum(num_new)
+        )
+        slots = torch.cat(tables)
+        k_new, v_new = k_pool[slots], v_pool[slots]  # [T, Hkv, D]
+        kv = torch.cat([k_new, v_new], -1)  # strided views like the fused projection's
+        scale = heads[2] ** -0.5
+        fa.plan_prefill(extend_qo_indptr(num_new), scale, sliding_window=window)
+        out = fa.prefill(q, kv[..., : heads[2]], kv[..., heads[2] :], scale)
+        ref = attention_extend_ref(q, k_pool, v_pool, num_new, tables, scale, sliding_window=window)
+        torch.testing.assert_close(out.float(), ref.float(), **TOL)
+        with pytest.raises(ValueError, match="scale"):
+            fa.prefill(q, k_new, v_new, scale * 2)
+
+
+def test_prefill_plan_checks(device):
+    fa, k, v, q, _, _ = _setup(HEADS[1], 1, [3], device, seed=12)
+    with pytest.raises(RuntimeError, match="plan"):
+        fa.prefill(q, k[:3], v[:3], 0.1)
+    with pytest.raises(ValueError, match="at least one token"):
+        fa.plan_prefill(torch.tensor([0, 2, 2], dtype=torch.int32), 0.1)
+    fa.plan_prefill(torch.tensor([0, 3], dtype=torch.int32), 0.1)
+    with pytest.raises(ValueError, match="planned for q"):
+        fa.prefill(q[:1], k[:3], v[:3], 0.1)
 
 
 def _capture(gd, q_buf, k, v, scale):

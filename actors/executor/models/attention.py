@@ -44,7 +44,7 @@ class AttentionContext:
     decode_rows: torch.Tensor | None  # [num_decode] int64 token rows, None if all or none
     extend_rows: torch.Tensor | None  # [num_extend_tokens] int64, None if all or none
     # a planned flashinfer attention (kernels/attention_flashinfer.py) and which of its
-    # wrappers runs: "decode" or "extend"
+    # wrappers runs: "decode", "prefill" (no cached prefix) or "extend"
     flashinfer: Any = None
     flashinfer_mode: str = "decode"
 
@@ -120,13 +120,18 @@ def paged_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     scale: float,
+    stored: bool = False,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H, D]. Stores k, v first."""
+    """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H, D]. Stores k, v first unless the
+    caller has (`stored`: kernels/rope_kv_store.py)."""
     kc, vc = ctx.k_buffers[layer_idx], ctx.v_buffers[layer_idx]
-    kv_store(kc, vc, ctx.out_slots, k, v)
+    if not stored:
+        kv_store(kc, vc, ctx.out_slots, k, v)
     if ctx.flashinfer is not None:
         if ctx.flashinfer_mode == "decode":
             return ctx.flashinfer.decode(q, kc, vc, scale)
+        if ctx.flashinfer_mode == "prefill":
+            return ctx.flashinfer.prefill(q, k, v, scale)
         return ctx.flashinfer.extend(q, kc, vc, scale)
     if ctx.extend_plan is None:
         return attention_decode(q, kc, vc, ctx.decode_plan, scale)

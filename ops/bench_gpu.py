@@ -86,8 +86,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="STEPS",
-        help="also profile STEPS bs=1 decode steps: device time per kernel",
+        help="also profile STEPS decode steps: device time per kernel",
     )
+    g.add_argument("--kernel-profile-bs", default="1",
+                   help="comma-separated batch sizes --kernel-profile profiles")  # fmt: skip
     g.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     g.add_argument("--out", default=None, help="also write the JSON summary here")
 
@@ -293,11 +295,13 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "kernel_profile", 0):
         from shunter.ops.bench_profile import format_rows, kernel_profile
 
-        kp = kernel_profile(driver, prompts_by_bs.get(1) or random_prompts(1, args.bs1_prompt_len,
-                            vocab, args.seed + 1), args.kernel_profile, args.token_budget)  # fmt: skip
-        s["bs1_kernel_profile"] = kp
-        _say(f"bs=1 decode, {args.kernel_profile} steps profiled:\n"
-             + format_rows(kp, args.kernel_profile))  # fmt: skip
+        for bs in [int(b) for b in str(args.kernel_profile_bs).split(",") if b.strip()]:
+            plen = args.bs1_prompt_len if bs == 1 else args.decode_prompt_len
+            prompts = prompts_by_bs.get(bs) or random_prompts(bs, plen, vocab, args.seed + bs)
+            kp = kernel_profile(driver, prompts, args.kernel_profile, args.token_budget)
+            s[f"bs{bs}_kernel_profile"] = kp
+            _say(f"bs={bs} decode, {args.kernel_profile} steps profiled:\n"
+                 + format_rows(kp, args.kernel_profile))  # fmt: skip
     (prompt,) = random_prompts(1, args.prefill_len, vocab, args.seed)
     dt = bench_prefill(driver, prompt, args.repeats)
     flops = prefill_flops(mcfg, len(prompt))

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shunter.kernels.pdl import pdl_enter, use_pdl
+
 MAX_ROWS = 16  # one tensor-core tile of rows
 
 
@@ -48,7 +50,9 @@ def _skinny_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -78,11 +82,11 @@ def _skinny_kernel(
 
 
 def skinny_config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a [n, k] weight: wide blocks
-    while the grid still has a few programs per SM (132 on an H200), narrower ones for
-    the short projections so that every SM streams its share."""
-    block_n = 64 if n >= 64 * 132 * 2 else 32 if n >= 32 * 132 else 16
-    return block_n, 256 if k >= 256 else 128, 4, 4
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a [n, k] weight. Narrow blocks
+    keep the grid many programs deep at the short projections (4096 rows: 256
+    programs for 132 SMs on an H200, several resident per SM), so no SM idles through
+    a last partial wave; the widest projections take twice the rows per program."""
+    return (32 if n >= 32768 else 16), (256 if k >= 256 else 128), 4, 4
 
 
 def linear_skinny_triton(
@@ -106,6 +110,7 @@ def linear_skinny_triton(
     if m == 0 or n == 0:
         return y
     block_n, block_k, warps, stages = config or skinny_config(n, k)
+    pdl = use_pdl(x)
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
@@ -123,6 +128,8 @@ def linear_skinny_triton(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        USE_PDL=pdl,
+        launch_pdl=pdl,
         num_warps=warps,
         num_stages=stages,
     )

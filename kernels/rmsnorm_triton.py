@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shunter.kernels.pdl import pdl_enter, use_pdl
+
 
 @triton.jit
 def _rmsnorm_kernel(
@@ -32,7 +34,9 @@ def _rmsnorm_kernel(
     eps,
     FUSED_ADD: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < hidden
@@ -79,6 +83,8 @@ def _launch(
             eps,
             FUSED_ADD=residual is not None,
             BLOCK=block,
+            USE_PDL=use_pdl(x2),
+            launch_pdl=use_pdl(x2),
             num_warps=min(max(block // 256, 1), 8),
         )
     return out.view(x.shape)

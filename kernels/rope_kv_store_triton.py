@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from shunter.kernels.kv_store import check_kv_store_shapes
+from shunter.kernels.pdl import pdl_enter, use_pdl
 from shunter.kernels.rope_triton import _rotate_heads
 
 
@@ -46,7 +47,9 @@ def _rope_kv_store_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     slot = tl.load(slots_ptr + tok).to(tl.int64)
@@ -124,4 +127,6 @@ def rope_kv_store_triton(
         BLOCK_HQ=triton.next_power_of_2(num_q_heads),
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(half),
+        USE_PDL=use_pdl(qk),
+        launch_pdl=use_pdl(qk),
     )

@@ -1,0 +1,61 @@
+"""Programmatic dependent launch (kernels/pdl.py): off where it cannot run, and on an
+H100/H200 a chain of PDL-launched kernels (as a decode layer chains them), eager and
+replayed from a CUDA graph, gives bit for bit the results of plain launches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shunter.kernels.pdl as pdl
+
+
+def test_off_the_gpu_and_under_the_interpreter(monkeypatch):
+    assert not pdl.use_pdl(torch.zeros(1))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if torch.cuda.is_available():
+        assert not pdl.use_pdl(torch.zeros(1, device="cuda"))
+
+
+def _chain(x, res, w_norm, w1, w2):
+    from shunter.kernels.linear import linear, silu_mul_linear
+    from shunter.kernels.rmsnorm import fused_add_rmsnorm
+
+    h, res = fused_add_rmsnorm(x, res, w_norm, 1e-5)
+    h = linear(h, w1)  # [M, 2I]
+    return silu_mul_linear(h, w2), res
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pdl_chain_equals_plain_launches(monkeypatch):
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs compute capability 9")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dev, bf = "cuda", torch.bfloat16
+
+    def randn(*s):
+        return torch.randn(*s, generator=g, device=dev).to(bf)
+
+    x, res, wn = randn(4, 1024), randn(4, 1024), randn(1024)
+    w1, w2 = randn(2 * 2816, 1024) * 0.03, randn(1024, 2816) * 0.03
+
+    def run():
+        out, r = _chain(x.clone(), res.clone(), wn, w1, w2)
+        return torch.cat([out, r], 1)
+
+    assert pdl.use_pdl(x)
+    with_pdl = run()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    monkeypatch.setattr(pdl, "_capable", lambda index: False)
+    plain = run()
+    assert torch.equal(with_pdl, plain) and torch.equal(captured, plain)

@@ -1,15 +1,12 @@
-"""Projections y = x @ W^T + b, and the MLP's down projection of silu(gate) * up.
+"""Projections y = x @ W^T + b, the MLP's down projection of silu(gate) * up, and a
+projection of a layer's (add +) RMSNorm output.
 
 Dispatch: a CUDA step of at most `SKINNY_MAX_ROWS` rows in bfloat16/float16 (a decode
-step at small batch, where a projection only streams its weight) goes to the skinny
-Triton kernel of kernels/linear_triton.py (imported on first use), which also folds the
-SwiGLU into the down projection's operand load; everything else is `F.linear` (cuBLAS
-on CUDA, oneDNN on the CPU), after `silu_mul` for the fused form.
-
-The skinny kernel is off by default (SKINNY_MAX_ROWS = 0): on an H200 at the 8B shape
-its current tiling streams weights at about a third of cuBLAS's speed (bs=1 decode
-88 tok/s against 217 with cuBLAS in the same run), so cuBLAS serves every size until a
-tuned tiling beats it (`tests/kernels/test_linear_triton.py` keeps it correct).
+step at small batch, where a projection only streams its weight) goes to the GEMV
+Triton kernel of kernels/linear_triton.py (imported on first use), which also folds
+the SwiGLU, or the add + RMSNorm, into its operand load, so a decode layer's norms and
+activation cost no launches of their own; everything else is `F.linear` (cuBLAS on
+CUDA, oneDNN on the CPU) after `silu_mul` / `fused_add_rmsnorm` for the fused forms.
 """
 
 from __future__ import annotations
@@ -17,9 +14,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from shunter.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from shunter.kernels.silu_mul import silu_mul
 
-SKINNY_MAX_ROWS = 0  # rows up to which the skinny kernel runs (0: never; see above)
+SKINNY_MAX_ROWS = 0  # rows up to which the GEMV kernel runs (0: never)
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -37,6 +35,15 @@ def silu_mul_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return linear_ref(silu_mul_ref(x), weight, bias)
 
 
+def norm_linear_ref(x, residual, norm_weight, eps, weight, bias=None):
+    from shunter.kernels.rmsnorm import fused_add_rmsnorm_ref, rmsnorm_ref
+
+    if residual is None:
+        return linear_ref(rmsnorm_ref(x, norm_weight, eps), weight, bias), x
+    h, s = fused_add_rmsnorm_ref(x, residual, norm_weight, eps)
+    return linear_ref(h, weight, bias), s
+
+
 def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         x.is_cuda
@@ -52,16 +59,37 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """x [T, K] @ weight [N, K]^T (+ bias [N]) -> [T, N] in x's dtype."""
     if _skinny(x, weight):
-        from shunter.kernels.linear_triton import linear_skinny_triton
+        from shunter.kernels.linear_triton import linear_gemv_triton
 
-        return linear_skinny_triton(x, weight, bias)
+        return linear_gemv_triton(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """silu(gate) * up of x [T, 2K] (gate | up), @ weight [N, K]^T (+ bias) -> [T, N]."""
     if _skinny(x, weight):
-        from shunter.kernels.linear_triton import linear_skinny_triton
+        from shunter.kernels.linear_triton import linear_gemv_triton
 
-        return linear_skinny_triton(x, weight, bias, silu_mul=True)
+        return linear_gemv_triton(x, weight, bias, silu_mul=True)
     return F.linear(silu_mul(x), weight, bias)
+
+
+def norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(s, norm_weight) @ weight^T (+ bias), s) with s = x + residual, or x when
+    residual is None: a decoder layer's norm and the projection after it. s is the new
+    residual stream; x may be overwritten with it."""
+    if _skinny(x, weight):
+        from shunter.kernels.linear_triton import norm_linear_gemv_triton
+
+        return norm_linear_gemv_triton(x, residual, norm_weight, eps, weight, bias)
+    if residual is None:
+        return F.linear(rmsnorm(x, norm_weight, eps), weight, bias), x
+    h, s = fused_add_rmsnorm(x, residual, norm_weight, eps)
+    return F.linear(h, weight, bias), s

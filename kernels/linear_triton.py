@@ -1,24 +1,32 @@
-"""Skinny matmul y = x @ W^T (+ b) for a few rows as one Triton kernel (the GPU path
-of kernels/linear.py at decode batch sizes), with an optional SwiGLU prologue.
+"""Matrix-vector projection y = x @ W^T (+ b) for a few rows as one Triton kernel (the
+GPU path of kernels/linear.py at decode batch sizes), with the operation before it
+folded into its operand load: SwiGLU (the MLP's down projection) or RMSNorm with the
+residual add (the qkv and gate/up projections after a layer's norms).
 
-Theory of operation: at a handful of rows a projection is a matrix-vector product
-bound by reading W once, so the kernel streams W at full bandwidth and treats x as
-a tiny operand. Programs split N into blocks of BLOCK_N weight rows; each walks the
-whole K axis in BLOCK_K steps, loading a [BLOCK_N, BLOCK_K] tile of W (contiguous
-along K, so every load is coalesced) and the matching [16, BLOCK_K] tile of x
-(rows past M masked to zero), and accumulates the [16, BLOCK_N] product in float32
-with one tensor-core dot per step. No split-K: the grid is N / BLOCK_N programs,
-which fills the machine at the model's projection widths, and each output element
-is written once without atomics.
+Theory of operation: at a handful of rows a projection only streams its weight, so
+the kernel is a bandwidth kernel, not a tensor-core one. Programs split N into blocks
+of BLOCK_N weight rows; each walks the K axis in BLOCK_K steps, loading a
+[BLOCK_N, BLOCK_K] tile of W (contiguous along K, so every load is coalesced) and
+multiplying it elementwise into a float32 [BLOCK_M, BLOCK_N, BLOCK_K] accumulator
+that is summed over K once at the end (no per-step reductions). The tile of step
+i + 1 is requested before step i's multiply, and the first tile before the kernel
+waits on the one launched ahead of it (programmatic dependent launch: the weights do
+not depend on it), so a program always has a tile in flight and the weight stream of
+one projection starts while the previous kernel drains.
 
-With SILU_MUL, x is the fused [M, 2K] gate|up activation of the MLP and the loaded
-tile is silu(gate) * up, rounded as `kernels/silu_mul.py` rounds it (silu rounded to
-the dtype, then the product), so `silu_mul_linear` equals silu_mul then linear
-without writing the [M, K] activation out.
+Prologues, computed per program from the activations (which stay in L2 across the
+grid):
+- SILU_MUL: x is the [M, 2K] gate|up activation; the operand is silu(gate) * up,
+  rounded as kernels/silu_mul.py rounds it.
+- RMSNORM: the operand is rmsnorm(s) * norm_w with s = x, or with a residual
+  s = round(x + residual) (fused add); each program first takes the mean square of s
+  over K, then normalizes its tiles as kernels/rmsnorm.py orders the roundings.
+  Program 0 writes s to a new tensor (the layer's residual stream; x and residual
+  are left as they are, since other programs still read them).
 
-Invariants: W is [N, K] with a contiguous K axis (an nn.Linear weight); x's last axis
-is contiguous; M <= MAX_ROWS; y has x's dtype. bfloat16 and float16 are what it is for
-(float32 runs too, with exact float32 dots, for the interpreter tests).
+Invariants: W is [N, K] with a contiguous K axis (an nn.Linear weight); x, residual
+and the norm weight have a contiguous last axis; M <= MAX_ROWS; y has x's dtype.
+bfloat16 and float16 are what it is for; float32 runs too (interpreter tests).
 """
 
 from __future__ import annotations
@@ -27,14 +35,19 @@ import torch
 import triton
 import triton.language as tl
 
-from shunter.kernels.pdl import pdl_enter, use_pdl
+from shunter.kernels.pdl import use_pdl
 
-MAX_ROWS = 16  # one tensor-core tile of rows
+MAX_ROWS = 4  # rows per program, all of a decode step's: W is read once
+
+PLAIN, SILU_MUL, RMSNORM, ADD_RMSNORM = 0, 1, 2, 3
 
 
 @triton.jit
-def _skinny_kernel(
+def _gemv_kernel(
     x_ptr,
+    res_ptr,
+    norm_w_ptr,
+    res_out_ptr,
     w_ptr,
     b_ptr,
     y_ptr,
@@ -42,17 +55,18 @@ def _skinny_kernel(
     N,
     K,
     x_row_stride,
+    res_row_stride,
+    res_out_row_stride,
     w_row_stride,
     y_row_stride,
+    eps,
+    PROLOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    SILU_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -60,59 +74,102 @@ def _skinny_kernel(
     n_ok = rn < N
     m_ok = rm < M
     w_tile = w_ptr + rn.to(tl.int64)[:, None] * w_row_stride + rk[None, :]
-    x_tile = x_ptr + rm[:, None] * x_row_stride + rk[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w = tl.load(w_tile, mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    x_rows = x_ptr + rm[:, None] * x_row_stride
+    res_rows = res_ptr + rm[:, None] * res_row_stride
+    if PROLOGUE >= RMSNORM:
+        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xm = m_ok[:, None] & ((k0 + rk) < K)[None, :]
+            s = tl.load(x_rows + k0 + rk[None, :], mask=xm, other=0.0)
+            if PROLOGUE == ADD_RMSNORM:
+                r = tl.load(res_rows + k0 + rk[None, :], mask=xm, other=0.0)
+                s = (s.to(tl.float32) + r.to(tl.float32)).to(s.dtype)
+                if pid == 0:
+                    out_rows = res_out_ptr + rm[:, None] * res_out_row_stride
+                    tl.store(out_rows + k0 + rk[None, :], s, mask=xm)
+            sf = s.to(tl.float32)
+            ss += tl.sum(sf * sf, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + rk) < K
-        w = tl.load(w_tile + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        nxt = k0 + BLOCK_K + rk
+        w_next = tl.load(w_tile + k0 + BLOCK_K, mask=n_ok[:, None] & (nxt < K)[None, :], other=0.0)
         xm = m_ok[:, None] & k_ok[None, :]
-        if SILU_MUL:
-            g = tl.load(x_tile + k0, mask=xm, other=0.0)
-            u = tl.load(x_tile + K + k0, mask=xm, other=0.0)
+        if PROLOGUE == SILU_MUL:
+            g = tl.load(x_rows + k0 + rk[None, :], mask=xm, other=0.0)
+            u = tl.load(x_rows + K + k0 + rk[None, :], mask=xm, other=0.0)
             gf = g.to(tl.float32)
             act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
-            x = (act * u.to(tl.float32)).to(g.dtype)
+            xv = (act * u.to(tl.float32)).to(g.dtype)
+        elif PROLOGUE >= RMSNORM:
+            s = tl.load(x_rows + k0 + rk[None, :], mask=xm, other=0.0)
+            if PROLOGUE == ADD_RMSNORM:
+                r = tl.load(res_rows + k0 + rk[None, :], mask=xm, other=0.0)
+                s = (s.to(tl.float32) + r.to(tl.float32)).to(s.dtype)
+            normed = (s.to(tl.float32) * rstd[:, None]).to(s.dtype).to(tl.float32)
+            nw = tl.load(norm_w_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+            xv = (normed * nw[None, :]).to(s.dtype)
         else:
-            x = tl.load(x_tile + k0, mask=xm, other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            xv = tl.load(x_rows + k0 + rk[None, :], mask=xm, other=0.0)
+        acc += w.to(tl.float32)[None, :, :] * xv.to(tl.float32)[:, None, :]
+        w = w_next
+    y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y = y_ptr + rm[:, None] * y_row_stride + rn[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y_out = y_ptr + rm[:, None] * y_row_stride + rn[None, :]
+    tl.store(y_out, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def skinny_config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a [n, k] weight. Narrow blocks
-    keep the grid many programs deep at the short projections (4096 rows: 256
-    programs for 132 SMs on an H200, several resident per SM), so no SM idles through
-    a last partial wave; the widest projections take twice the rows per program."""
-    return (32 if n >= 32768 else 16), (256 if k >= 256 else 128), 4, 4
+def gemv_config(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for a [n, k] weight: 8 KiB tiles of W, narrow
+    enough that the short projections (4096 rows) still give every SM several
+    programs."""
+    block_k = 512 if k >= 512 else triton.next_power_of_2(max(k, 16))
+    return max(8192 // (2 * block_k), 1), block_k, 4
 
 
-def linear_skinny_triton(
+def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    silu_mul: bool = False,
-    config: tuple[int, int, int, int] | None = None,
-) -> torch.Tensor:
-    """x [M, K] (or [M, 2K] gate|up with silu_mul) @ weight[N, K]^T (+ bias) -> [M, N]."""
+    bias: torch.Tensor | None,
+    prologue: int,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    config: tuple[int, int, int] | None = None,
+    pdl: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     assert x.dim() == 2 and weight.dim() == 2
     m = x.shape[0]
     n, k = weight.shape
-    if x.shape[1] != (2 * k if silu_mul else k):
+    if x.shape[1] != (2 * k if prologue == SILU_MUL else k):
         raise ValueError(f"linear: x has {x.shape[1]} columns, weight {tuple(weight.shape)}"
-                         f"{' (silu_mul: x must be 2*K)' if silu_mul else ''}")  # fmt: skip
-    assert m <= MAX_ROWS, f"linear_skinny_triton takes <= {MAX_ROWS} rows, got {m}"
+                         f"{' (silu_mul: x must be 2*K)' if prologue == SILU_MUL else ''}")  # fmt: skip
+    assert m <= MAX_ROWS, f"the GEMV kernel takes <= {MAX_ROWS} rows, got {m}"
     assert x.stride(1) == 1 and weight.stride(1) == 1
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    res_out = None
+    if prologue == ADD_RMSNORM:
+        assert residual is not None and residual.shape == x.shape and residual.stride(1) == 1
+        res_out = torch.empty_like(x)
+    if prologue >= RMSNORM:
+        assert norm_weight is not None and norm_weight.shape == (k,) and norm_weight.is_contiguous()
     if m == 0 or n == 0:
-        return y
-    block_n, block_k, warps, stages = config or skinny_config(n, k)
-    pdl = use_pdl(x)
-    _skinny_kernel[(triton.cdiv(n, block_n),)](
+        if res_out is not None:
+            torch.add(x, residual, out=res_out)
+        return y, res_out
+    block_n, block_k, warps = config or gemv_config(n, k)
+    pdl = use_pdl(x) if pdl is None else pdl
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
+        residual if residual is not None else x,
+        norm_weight if norm_weight is not None else weight,
+        res_out if res_out is not None else y,
         weight,
         bias if bias is not None else weight,
         y,
@@ -120,17 +177,50 @@ def linear_skinny_triton(
         n,
         k,
         x.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        res_out.stride(0) if res_out is not None else 0,
         weight.stride(0),
         y.stride(0),
+        eps,
+        PROLOGUE=prologue,
         HAS_BIAS=bias is not None,
-        SILU_MUL=silu_mul,
-        BLOCK_M=16,
+        BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         USE_PDL=pdl,
         launch_pdl=pdl,
         num_warps=warps,
-        num_stages=stages,
     )
-    return y
+    return y, res_out
+
+
+def linear_gemv_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    silu_mul: bool = False,
+    config: tuple[int, int, int] | None = None,
+    pdl: bool | None = None,
+) -> torch.Tensor:
+    """x [M, K] (or [M, 2K] gate|up with silu_mul) @ weight[N, K]^T (+ bias) -> [M, N]."""
+    prologue = SILU_MUL if silu_mul else PLAIN
+    return _launch(x, weight, bias, prologue, config=config, pdl=pdl)[0]
+
+
+def norm_linear_gemv_triton(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: tuple[int, int, int] | None = None,
+    pdl: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(s) * norm_weight) @ weight^T (+ bias) and s, where s = x + residual
+    (rounded to x's dtype) or x when residual is None. x and residual are unchanged."""
+    prologue = ADD_RMSNORM if residual is not None else RMSNORM
+    y, res_out = _launch(x, weight, bias, prologue, residual, norm_weight, eps, config, pdl)
+    return y, res_out if res_out is not None else x

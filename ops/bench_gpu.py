@@ -89,7 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also profile STEPS decode steps: device time per kernel",
     )
     g.add_argument("--kernel-profile-bs", default="1",
-                   help="comma-separated batch sizes --kernel-profile profiles")  # fmt: skip
+                   help="comma-separated batch sizes --kernel-profile profiles; the entry "
+                        "'prefill' profiles one --prefill-len prefill instead")  # fmt: skip
     g.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     g.add_argument("--out", default=None, help="also write the JSON summary here")
 
@@ -295,7 +296,10 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "kernel_profile", 0):
         from shunter.ops.bench_profile import format_rows, kernel_profile
 
-        for bs in [int(b) for b in str(args.kernel_profile_bs).split(",") if b.strip()]:
+        for b in str(args.kernel_profile_bs).split(","):
+            if not b.strip() or b.strip() == "prefill":
+                continue
+            bs = int(b)
             plen = args.bs1_prompt_len if bs == 1 else args.decode_prompt_len
             prompts = prompts_by_bs.get(bs) or random_prompts(bs, plen, vocab, args.seed + bs)
             kp = kernel_profile(driver, prompts, args.kernel_profile, args.token_budget)
@@ -313,6 +317,11 @@ def run(args: argparse.Namespace) -> int:
         line += (f", MFU {s['prefill_mfu']:.1%} of {H200_PEAK_BF16_FLOPS / 1e12:.1f} TFLOP/s, "
                  f"{s['prefill_frac_of_matmul']:.1%} of the measured matmul")  # fmt: skip
     _say(line)
+    if getattr(args, "kernel_profile", 0) and "prefill" in str(args.kernel_profile_bs).split(","):
+        from shunter.ops.bench_profile import format_rows, prefill_profile
+
+        s["prefill_kernel_profile"] = kp = prefill_profile(driver, prompt)
+        _say(f"prefill of {len(prompt)} tokens, one step profiled:\n" + format_rows(kp, 1))
 
     if not args.skip_hf:
         from shunter.ops.bench_gpu_hf import compare_hf

@@ -1,4 +1,4 @@
-"""Where a decode step's device time goes: torch.profiler over a few decode steps.
+"""Where a decode (or prefill) step's device time goes: torch.profiler over a few steps.
 
 Theory of operation: `kernel_profile` prefills `prompts` through a bench Driver, runs
 warm-up decode steps, then profiles `steps` more (submitted back to back, as the
@@ -7,7 +7,8 @@ inside replayed CUDA graphs are traced too), and folds the events into one row p
 kernel name: calls, total and mean device time, share of the profiled time. The
 names show which op each kernel belongs to (cuBLAS GEMMs, flashinfer/Triton
 attention, the Triton norm/rope/activation kernels), so a step's gap to the
-bandwidth roofline can be attributed.
+bandwidth roofline can be attributed. `prefill_profile` does the same for one
+prefill of a whole prompt.
 
 Invariants: leaves the driver with no open rows; the profiled steps' tokens are not
 checked (the decode benchmark does that).
@@ -39,6 +40,28 @@ def kernel_profile(
         driver.decode_overlapped(rows, steps)
         if on_cuda:
             torch.cuda.synchronize(dev)
+    driver.close_all()
+    return fold(prof.key_averages(), on_cuda, top)
+
+
+def prefill_profile(driver: Driver, prompt: list[int], top: int = 25) -> list[dict]:
+    """`kernel_profile`'s rows for one prefill of the whole prompt (after a warm one)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = driver.core.runner.device
+    on_cuda = dev.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    for warm in (True, False):
+        driver.close_all()
+        if on_cuda:
+            torch.cuda.synchronize(dev)
+        if warm:
+            driver.prefill([prompt], len(prompt))
+            continue
+        with profile(activities=activities) as prof:
+            driver.prefill([prompt], len(prompt))
+            if on_cuda:
+                torch.cuda.synchronize(dev)
     driver.close_all()
     return fold(prof.key_averages(), on_cuda, top)
 

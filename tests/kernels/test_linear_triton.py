@@ -1,4 +1,4 @@
-"""Skinny Triton projection (kernels/linear_triton.py) and the fused rope + KV store
+"""GEMV Triton projection (with its SwiGLU and add + RMSNorm prologues) (kernels/linear_triton.py) and the fused rope + KV store
 (kernels/rope_kv_store_triton.py) against their torch references. Without CUDA they run
 under TRITON_INTERPRET=1 on the CPU at small, odd shapes in float32 (the interpreter's
 bf16 dots are wrong); with CUDA also bf16 at Llama-3-8B shapes (`gpu`).
@@ -18,13 +18,21 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from shunter.kernels.linear import linear, linear_ref, silu_mul_linear, silu_mul_linear_ref
-from shunter.kernels.linear_triton import MAX_ROWS, linear_skinny_triton
+from shunter.kernels.linear import (
+    linear,
+    linear_ref,
+    norm_linear,
+    norm_linear_ref,
+    silu_mul_linear,
+    silu_mul_linear_ref,
+)
+from shunter.kernels.linear_triton import MAX_ROWS, linear_gemv_triton, norm_linear_gemv_triton
 from shunter.kernels.rope import rope_cos_sin_cache, rope_gather_torch, rope_rotate_torch
 from shunter.kernels.rope_kv_store import rope_kv_store, rope_kv_store_ref
 from shunter.kernels.rope_kv_store_triton import rope_kv_store_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CFG = (4, 32, 4)  # small tiles, so the odd shapes take several K steps and a partial N block
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -41,34 +49,51 @@ def _close(got, want, rel):
 @pytest.mark.parametrize("m", [1, 3, MAX_ROWS])
 @pytest.mark.parametrize(("n", "k"), [(40, 64), (33, 300)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_skinny_linear_matches_reference(m, n, k, bias):
+def test_gemv_matches_reference(m, n, k, bias):
     x, w = _randn(m, k, seed=1), _randn(n, k, seed=2) * 0.1
     b = _randn(n, seed=3) if bias else None
-    y = linear_skinny_triton(x, w, b, config=(16, 64, 4, 2))
+    y = linear_gemv_triton(x, w, b, config=CFG)
     assert y.shape == (m, n) and y.dtype == x.dtype
     _close(y, linear_ref(x, w, b), 1e-4)
 
 
-@pytest.mark.parametrize("m", [1, 5])
-def test_skinny_silu_mul_linear_matches_reference(m):
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_silu_mul_matches_reference(m):
     k = 96
     x, w = _randn(m, 2 * k, seed=4) * 3, _randn(24, k, seed=5) * 0.1
-    y = linear_skinny_triton(x, w, silu_mul=True, config=(16, 64, 4, 2))
+    y = linear_gemv_triton(x, w, silu_mul=True, config=CFG)
     _close(y, silu_mul_linear_ref(x, w), 1e-4)
 
 
-def test_skinny_linear_reads_strided_rows():
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("k", [64, 100])
+def test_norm_gemv_matches_norm_then_linear(m, with_residual, k):
+    x, w = _randn(m, k, seed=11) * 2, _randn(19, k, seed=12) * 0.1
+    res = _randn(m, k, seed=13) if with_residual else None
+    nw = _randn(k, seed=14).abs() + 0.5
+    x0, res0 = x.clone(), None if res is None else res.clone()
+    y, s = norm_linear_gemv_triton(x, res, nw, 1e-5, w, config=CFG)
+    want_y, want_s = norm_linear_ref(x0, res0, nw, 1e-5, w)
+    _close(y, want_y, 1e-4)
+    torch.testing.assert_close(s, want_s)
+    torch.testing.assert_close(x, x0)  # inputs untouched: other programs still read them
+    if res is not None:
+        torch.testing.assert_close(res, res0)
+
+
+def test_gemv_reads_strided_rows():
     base = _randn(4, 100, seed=6)
     x = base[:, :64]  # row stride 100
     w = _randn(16, 64, seed=7)
-    _close(linear_skinny_triton(x, w, config=(16, 64, 4, 2)), linear_ref(x, w), 1e-4)
+    _close(linear_gemv_triton(x, w, config=CFG), linear_ref(x, w), 1e-4)
 
 
-def test_skinny_linear_rejects_a_width_mismatch():
+def test_gemv_rejects_a_width_mismatch():
     with pytest.raises(ValueError, match="columns"):
-        linear_skinny_triton(_randn(2, 10), _randn(8, 12))
+        linear_gemv_triton(_randn(2, 10), _randn(8, 12))
     with pytest.raises(ValueError, match="silu_mul"):
-        linear_skinny_triton(_randn(2, 12), _randn(8, 12), silu_mul=True)
+        linear_gemv_triton(_randn(2, 12), _randn(8, 12), silu_mul=True)
 
 
 def test_dispatch_takes_the_torch_path_off_cuda():
@@ -76,6 +101,14 @@ def test_dispatch_takes_the_torch_path_off_cuda():
     torch.testing.assert_close(linear(x, w), x @ w.t())
     g = _randn(3, 16, device="cpu")
     torch.testing.assert_close(silu_mul_linear(g, w), silu_mul_linear_ref(g, w))
+    res, nw = _randn(3, 8, seed=2, device="cpu"), _randn(8, seed=3, device="cpu")
+    want = norm_linear_ref(x.clone(), res.clone(), nw, 1e-6, w)
+    got = norm_linear(x.clone(), res.clone(), nw, 1e-6, w)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    got0 = norm_linear(x, None, nw, 1e-6, w)
+    assert got0[1] is x
+    torch.testing.assert_close(got0[0], norm_linear_ref(x, None, nw, 1e-6, w)[0])
 
 
 def _rope_case(t, hq, hkv, d, dtype, seed=0, num_slots=40):
@@ -115,20 +148,33 @@ def test_rope_kv_store_on_the_cpu_returns_the_rotation_and_stores():
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize("m", [1, 2, MAX_ROWS])
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (57344, 4096), (128256, 4096)])
-def test_skinny_linear_bf16_at_llama_shapes(m, n, k):
+def test_gemv_bf16_at_llama_shapes(m, n, k):
     x, w = _randn(m, k, dtype=torch.bfloat16, seed=8), _randn(n, k, dtype=torch.bfloat16) * 0.02
-    _close(linear_skinny_triton(x, w), linear_ref(x, w), 1.6e-2)
+    _close(linear_gemv_triton(x, w), linear_ref(x, w), 1.6e-2)
 
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16])
-def test_skinny_silu_mul_linear_bf16_at_llama_shape(m):
+@pytest.mark.parametrize("m", [1, MAX_ROWS])
+def test_gemv_silu_mul_bf16_at_llama_shape(m):
     x = _randn(m, 2 * 14336, dtype=torch.bfloat16, seed=9) * 2
     w = _randn(4096, 14336, dtype=torch.bfloat16, seed=10) * 0.02
-    _close(linear_skinny_triton(x, w, silu_mul=True), silu_mul_linear_ref(x, w), 1.6e-2)
+    _close(linear_gemv_triton(x, w, silu_mul=True), silu_mul_linear_ref(x, w), 1.6e-2)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, MAX_ROWS])
+def test_norm_gemv_bf16_at_llama_shape(m):
+    x, res = _randn(m, 4096, dtype=torch.bfloat16, seed=15), _randn(m, 4096, dtype=torch.bfloat16, seed=16)
+    nw = _randn(4096, dtype=torch.bfloat16, seed=17)
+    w = _randn(6144, 4096, dtype=torch.bfloat16, seed=18) * 0.02
+    y, s = norm_linear_gemv_triton(x, res, nw, 1e-5, w)
+    want_y, want_s = norm_linear_ref(x, res, nw, 1e-5, w)
+    assert torch.equal(s, want_s)
+    _close(y, want_y, 1.6e-2)
 
 
 @gpu

@@ -18,12 +18,12 @@ def test_off_the_gpu_and_under_the_interpreter(monkeypatch):
 
 
 def _chain(x, res, w_norm, w1, w2):
-    from shunter.kernels.linear_triton import linear_skinny_triton
+    from shunter.kernels.linear_triton import linear_gemv_triton, norm_linear_gemv_triton
     from shunter.kernels.rmsnorm import fused_add_rmsnorm
 
     h, res = fused_add_rmsnorm(x, res, w_norm, 1e-5)
-    h = linear_skinny_triton(h, w1)  # [M, 2I]
-    return linear_skinny_triton(h, w2, silu_mul=True), res
+    h, res = norm_linear_gemv_triton(h, res, w_norm, 1e-5, w1)  # [M, 2I]
+    return linear_gemv_triton(h, w2, silu_mul=True), res
 
 
 @pytest.mark.gpu

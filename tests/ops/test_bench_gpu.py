@@ -148,7 +148,7 @@ def test_whole_run_on_a_cpu_at_toy_sizes(tmp_path, capsys):
                   "--decode-prompt-len", "16", "--bs1-prompt-len", "8", "--repeats", "1",
                   "--hf-new-tokens", "4", "--offline-requests", "3", "--offline-input-len",
                   "16", "--offline-output-len", "4", "--kernel-profile", "2",
-                  "--kernel-profile-bs", "1,2", "--out", str(out)])  # fmt: skip
+                  "--kernel-profile-bs", "1,2,prefill", "--out", str(out)])  # fmt: skip
     assert bg.run(args) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     summary = json.loads(last)
@@ -164,6 +164,7 @@ def test_whole_run_on_a_cpu_at_toy_sizes(tmp_path, capsys):
     assert prof and abs(sum(r["share"] for r in prof) - 1.0) < 0.2
     assert any("mm" in r["name"] or "linear" in r["name"] for r in prof)
     assert summary["bs2_kernel_profile"]
+    assert summary["prefill_kernel_profile"]
 
 
 def test_cpu_defaults_stay_and_cuda_without_a_gpu_is_refused(capsys):

@@ -5,7 +5,10 @@ Theory of operation: tokens of all entries of a step are one flat [num_tokens] a
 qkv projection (optional bias), optional per-head q/k RMSNorm (Qwen3), rope and the
 store of the new K/V into the pool (one op without q/k norms), paged attention through
 the step's AttentionContext, output projection, fused add+RMSNorm, fused gate/up
-projection, and the down projection of SiLU(gate)*up (one op: kernels/linear.py). Logits are computed by the runner only for the rows it needs.
+projection, and the down projection of SiLU(gate)*up. The norms and the activation
+are folded into the projections after them (`norm_project`, `silu_mul_linear`: one
+kernel each on the decode GEMV path of kernels/linear.py). Logits are computed by the
+runner only for the rows it needs.
 The ops (kernels/*.py) dispatch on the tensors' device: CUDA runs their Triton kernels,
 where rope rotates the q/k heads in place; everything else the torch path.
 
@@ -25,7 +28,7 @@ from torch import nn
 
 from shunter.actors.executor.models.attention import AttentionContext, paged_attention
 from shunter.actors.executor.models.config import ModelConfig
-from shunter.kernels.linear import linear, silu_mul_linear
+from shunter.kernels.linear import linear, norm_linear, silu_mul_linear
 from shunter.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from shunter.kernels.rope import rope_cos_sin_cache, rope_gather, rope_rotate
 from shunter.kernels.rope_kv_store import rope_kv_store
@@ -38,6 +41,19 @@ def project(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if type(mod) is nn.Linear:
         return linear(x, mod.weight, mod.bias)
     return mod(x)
+
+
+def norm_project(
+    mod: nn.Module, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mod(rmsnorm(s)), s) with s = x + residual, or x at layer 0 (residual None): a
+    layer's norm and the projection after it, one kernel on the GEMV path."""
+    if type(mod) is nn.Linear:
+        return norm_linear(x, residual, norm.weight, norm.eps, mod.weight, mod.bias)
+    if residual is None:
+        return mod(norm(x)), x
+    h, residual = fused_add_rmsnorm(x, residual, norm.weight, norm.eps)
+    return mod(h), residual
 
 
 class RMSNorm(nn.Module):
@@ -70,12 +86,11 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [T, hidden]
+        qkv: torch.Tensor,  # [T, q + 2 kv]: the layer's qkv projection (norm_project)
         rope: tuple[torch.Tensor, torch.Tensor],  # rope_gather's operands, shared by layers
         ctx: AttentionContext,
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        qkv = project(self.qkv_proj, x)  # [T, q + 2 kv]
+        num_tokens = qkv.shape[0]
         qk_size = self.q_size + self.kv_size
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
@@ -100,8 +115,8 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=config.mlp_bias)
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = project(self.gate_up_proj, x)
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [T, 2 inter], the layer's gate/up projection (norm_project)."""
         if type(self.down_proj) is nn.Linear:  # SwiGLU folded into the projection's load
             return silu_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
         return self.down_proj(silu_mul(gate_up))
@@ -114,7 +129,6 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.eps = config.rms_norm_eps
 
     def forward(
         self,
@@ -123,14 +137,11 @@ class LlamaDecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         ctx: AttentionContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = fused_add_rmsnorm(x, residual, self.input_layernorm.weight, self.eps)
-        h = self.self_attn(h, rope, ctx)
-        h, residual = fused_add_rmsnorm(h, residual, self.post_attention_layernorm.weight, self.eps)
-        return self.mlp(h), residual
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = norm_project(attn.qkv_proj, self.input_layernorm, x, residual)
+        h = attn(qkv, rope, ctx)
+        gate_up, residual = norm_project(mlp.gate_up_proj, self.post_attention_layernorm, h, residual)
+        return mlp(gate_up), residual
 
 
 class LlamaModel(nn.Module):

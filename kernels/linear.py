@@ -18,6 +18,9 @@ from shunter.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from shunter.kernels.silu_mul import silu_mul
 
 SKINNY_MAX_ROWS = 0  # rows up to which the GEMV kernel runs (0: never)
+GEMV_MAX_N = 8192  # widest weight (output rows) it takes; cuBLAS streams wider ones faster
+FUSE_NORM = True  # norm_linear folds the (add +) RMSNorm into the GEMV's load
+FUSE_SILU = True  # silu_mul_linear folds the SwiGLU into the GEMV's load
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -53,6 +56,7 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.dtype == x.dtype
         and x.stride(1) == 1
         and weight.stride(1) == 1
+        and weight.shape[0] <= GEMV_MAX_N
     )
 
 
@@ -67,11 +71,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """silu(gate) * up of x [T, 2K] (gate | up), @ weight [N, K]^T (+ bias) -> [T, N]."""
-    if _skinny(x, weight):
+    if FUSE_SILU and _skinny(x, weight):
         from shunter.kernels.linear_triton import linear_gemv_triton
 
         return linear_gemv_triton(x, weight, bias, silu_mul=True)
-    return F.linear(silu_mul(x), weight, bias)
+    return linear(silu_mul(x), weight, bias)
 
 
 def norm_linear(
@@ -85,11 +89,11 @@ def norm_linear(
     """(rmsnorm(s, norm_weight) @ weight^T (+ bias), s) with s = x + residual, or x when
     residual is None: a decoder layer's norm and the projection after it. s is the new
     residual stream; x may be overwritten with it."""
-    if _skinny(x, weight):
+    if FUSE_NORM and _skinny(x, weight):
         from shunter.kernels.linear_triton import norm_linear_gemv_triton
 
         return norm_linear_gemv_triton(x, residual, norm_weight, eps, weight, bias)
     if residual is None:
-        return F.linear(rmsnorm(x, norm_weight, eps), weight, bias), x
+        return linear(rmsnorm(x, norm_weight, eps), weight, bias), x
     h, s = fused_add_rmsnorm(x, residual, norm_weight, eps)
-    return F.linear(h, weight, bias), s
+    return linear(h, weight, bias), s

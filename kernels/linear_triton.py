@@ -39,7 +39,8 @@ from shunter.kernels.pdl import use_pdl
 
 MAX_ROWS = 4  # rows per program, all of a decode step's: W is read once
 
-PLAIN, SILU_MUL, RMSNORM, ADD_RMSNORM = 0, 1, 2, 3
+PLAIN, SILU_MUL, RMSNORM, ADD_RMSNORM = 0, 1, 2, 3  # the prologue
+_SILU_MUL, _RMSNORM, _ADD_RMSNORM = tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)  # in kernels
 
 
 @triton.jit
@@ -80,12 +81,12 @@ def _gemv_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     x_rows = x_ptr + rm[:, None] * x_row_stride
     res_rows = res_ptr + rm[:, None] * res_row_stride
-    if PROLOGUE >= RMSNORM:
+    if PROLOGUE >= _RMSNORM:
         ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             xm = m_ok[:, None] & ((k0 + rk) < K)[None, :]
             s = tl.load(x_rows + k0 + rk[None, :], mask=xm, other=0.0)
-            if PROLOGUE == ADD_RMSNORM:
+            if PROLOGUE == _ADD_RMSNORM:
                 r = tl.load(res_rows + k0 + rk[None, :], mask=xm, other=0.0)
                 s = (s.to(tl.float32) + r.to(tl.float32)).to(s.dtype)
                 if pid == 0:
@@ -100,15 +101,15 @@ def _gemv_kernel(
         nxt = k0 + BLOCK_K + rk
         w_next = tl.load(w_tile + k0 + BLOCK_K, mask=n_ok[:, None] & (nxt < K)[None, :], other=0.0)
         xm = m_ok[:, None] & k_ok[None, :]
-        if PROLOGUE == SILU_MUL:
+        if PROLOGUE == _SILU_MUL:
             g = tl.load(x_rows + k0 + rk[None, :], mask=xm, other=0.0)
             u = tl.load(x_rows + K + k0 + rk[None, :], mask=xm, other=0.0)
             gf = g.to(tl.float32)
             act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
             xv = (act * u.to(tl.float32)).to(g.dtype)
-        elif PROLOGUE >= RMSNORM:
+        elif PROLOGUE >= _RMSNORM:
             s = tl.load(x_rows + k0 + rk[None, :], mask=xm, other=0.0)
-            if PROLOGUE == ADD_RMSNORM:
+            if PROLOGUE == _ADD_RMSNORM:
                 r = tl.load(res_rows + k0 + rk[None, :], mask=xm, other=0.0)
                 s = (s.to(tl.float32) + r.to(tl.float32)).to(s.dtype)
             normed = (s.to(tl.float32) * rstd[:, None]).to(s.dtype).to(tl.float32)
@@ -125,12 +126,15 @@ def _gemv_kernel(
     tl.store(y_out, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def gemv_config(n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for a [n, k] weight: 8 KiB tiles of W, narrow
-    enough that the short projections (4096 rows) still give every SM several
-    programs."""
+def gemv_config(n: int, k: int, prologue: int = PLAIN) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for a [n, k] weight: 4 x 512 tiles of W keep the
+    short projections (4096-6144 rows) several programs deep on every SM; a prologue
+    re-reads the activations in every program, so those take 16-row blocks (a quarter
+    of the programs, a quarter of the re-reads)."""
     block_k = 512 if k >= 512 else triton.next_power_of_2(max(k, 16))
-    return max(8192 // (2 * block_k), 1), block_k, 4
+    if prologue != PLAIN:
+        return 16, block_k, 8
+    return 4, block_k, 4
 
 
 def _launch(
@@ -163,7 +167,7 @@ def _launch(
         if res_out is not None:
             torch.add(x, residual, out=res_out)
         return y, res_out
-    block_n, block_k, warps = config or gemv_config(n, k)
+    block_n, block_k, warps = config or gemv_config(n, k, prologue)
     pdl = use_pdl(x) if pdl is None else pdl
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,

@@ -115,7 +115,7 @@ def _rope_case(t, hq, hkv, d, dtype, seed=0, num_slots=40):
     qkv = _randn(t, (hq + 2 * hkv) * d, dtype=dtype, seed=seed)
     qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
     v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
-    positions = torch.randperm(50, generator=torch.Generator().manual_seed(seed))[:t].to(DEVICE)
+    positions = torch.randperm(max(50, t), generator=torch.Generator().manual_seed(seed))[:t].to(DEVICE)
     slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(seed + 1))[:t]
     cache = rope_cos_sin_cache(d, 64, 10000.0).to(DEVICE)
     kc = torch.zeros(num_slots, hkv, d, dtype=dtype, device=DEVICE)

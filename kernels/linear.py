@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shunter.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+from shunter.kernels.rmsnorm import fused_add_rmsnorm
 from shunter.kernels.silu_mul import silu_mul
 
 SKINNY_MAX_ROWS = 0  # rows up to which the GEMV kernel runs (0: never)
@@ -39,10 +39,8 @@ def silu_mul_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 
 def norm_linear_ref(x, residual, norm_weight, eps, weight, bias=None):
-    from shunter.kernels.rmsnorm import fused_add_rmsnorm_ref, rmsnorm_ref
+    from shunter.kernels.rmsnorm import fused_add_rmsnorm_ref
 
-    if residual is None:
-        return linear_ref(rmsnorm_ref(x, norm_weight, eps), weight, bias), x
     h, s = fused_add_rmsnorm_ref(x, residual, norm_weight, eps)
     return linear_ref(h, weight, bias), s
 
@@ -93,7 +91,5 @@ def norm_linear(
         from shunter.kernels.linear_triton import norm_linear_gemv_triton
 
         return norm_linear_gemv_triton(x, residual, norm_weight, eps, weight, bias)
-    if residual is None:
-        return linear(rmsnorm(x, norm_weight, eps), weight, bias), x
     h, s = fused_add_rmsnorm(x, residual, norm_weight, eps)
     return linear(h, weight, bias), s

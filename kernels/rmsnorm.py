@@ -3,7 +3,8 @@
 `rmsnorm(x, w, eps)`: y = x / sqrt(mean(x^2) + eps) * w, the statistics in float32 and
 the product taken in x's dtype, as HF Llama does (so float32 matches it exactly).
 `fused_add_rmsnorm(x, residual, w, eps)`: residual' = x + residual, y = rmsnorm(residual');
-returns (y, residual') so a decoder layer keeps one running residual stream.
+returns (y, residual') so a decoder layer keeps one running residual stream. At the
+first layer (residual None) residual' is x itself.
 
 Dispatch: CUDA tensors go to the Triton kernels of kernels/rmsnorm_triton.py (imported
 on first use, so installs without Triton keep the CPU path); everything else takes
@@ -24,9 +25,9 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 
 
 def fused_add_rmsnorm_ref(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    residual = x + residual
+    residual = x if residual is None else x + residual
     return rmsnorm_ref(residual, weight, eps), residual
 
 
@@ -58,10 +59,12 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_add_rmsnorm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rmsnorm(x + residual), x + residual); the sum is written into x unless
-    x requires grad."""
+    x requires grad. With residual None: (rmsnorm(x), x)."""
+    if residual is None:
+        return rmsnorm(x, weight, eps), x
     if x.is_cuda and not x.requires_grad:
         from shunter.kernels.rmsnorm_triton import fused_add_rmsnorm_triton
 

@@ -293,13 +293,11 @@ def run(args: argparse.Namespace) -> int:
              + (f"; one step at a time {s['decode_tok_s_bs1_no_overlap']:.1f} tok/s"
                 if bs == 1 and "decode_tok_s_bs1_no_overlap" in s else ""))  # fmt: skip
 
+    profiled = [b.strip() for b in str(args.kernel_profile_bs).split(",") if b.strip()]
     if getattr(args, "kernel_profile", 0):
         from shunter.ops.bench_profile import format_rows, kernel_profile
 
-        for b in str(args.kernel_profile_bs).split(","):
-            if not b.strip() or b.strip() == "prefill":
-                continue
-            bs = int(b)
+        for bs in [int(b) for b in profiled if b != "prefill"]:
             plen = args.bs1_prompt_len if bs == 1 else args.decode_prompt_len
             prompts = prompts_by_bs.get(bs) or random_prompts(bs, plen, vocab, args.seed + bs)
             kp = kernel_profile(driver, prompts, args.kernel_profile, args.token_budget)
@@ -317,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
         line += (f", MFU {s['prefill_mfu']:.1%} of {H200_PEAK_BF16_FLOPS / 1e12:.1f} TFLOP/s, "
                  f"{s['prefill_frac_of_matmul']:.1%} of the measured matmul")  # fmt: skip
     _say(line)
-    if getattr(args, "kernel_profile", 0) and "prefill" in str(args.kernel_profile_bs).split(","):
+    if getattr(args, "kernel_profile", 0) and "prefill" in profiled:
         from shunter.ops.bench_profile import format_rows, prefill_profile
 
         s["prefill_kernel_profile"] = kp = prefill_profile(driver, prompt)

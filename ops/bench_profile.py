@@ -51,17 +51,15 @@ def prefill_profile(driver: Driver, prompt: list[int], top: int = 25) -> list[di
     dev = driver.core.runner.device
     on_cuda = dev.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    for warm in (True, False):
-        driver.close_all()
+    driver.close_all()
+    driver.prefill([prompt], len(prompt))  # warm
+    driver.close_all()
+    if on_cuda:
+        torch.cuda.synchronize(dev)
+    with profile(activities=activities) as prof:
+        driver.prefill([prompt], len(prompt))
         if on_cuda:
             torch.cuda.synchronize(dev)
-        if warm:
-            driver.prefill([prompt], len(prompt))
-            continue
-        with profile(activities=activities) as prof:
-            driver.prefill([prompt], len(prompt))
-            if on_cuda:
-                torch.cuda.synchronize(dev)
     driver.close_all()
     return fold(prof.key_averages(), on_cuda, top)
 

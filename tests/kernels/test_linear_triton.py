@@ -115,7 +115,9 @@ def _rope_case(t, hq, hkv, d, dtype, seed=0, num_slots=40):
     qkv = _randn(t, (hq + 2 * hkv) * d, dtype=dtype, seed=seed)
     qk = qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d)
     v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
-    positions = torch.randperm(max(50, t), generator=torch.Generator().manual_seed(seed))[:t].to(DEVICE)
+    positions = torch.randperm(max(50, t), generator=torch.Generator().manual_seed(seed))[:t].to(
+        DEVICE
+    )
     slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(seed + 1))[:t]
     cache = rope_cos_sin_cache(d, 64, 10000.0).to(DEVICE)
     kc = torch.zeros(num_slots, hkv, d, dtype=dtype, device=DEVICE)
@@ -168,7 +170,10 @@ def test_gemv_silu_mul_bf16_at_llama_shape(m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, MAX_ROWS])
 def test_norm_gemv_bf16_at_llama_shape(m):
-    x, res = _randn(m, 4096, dtype=torch.bfloat16, seed=15), _randn(m, 4096, dtype=torch.bfloat16, seed=16)
+    x, res = (
+        _randn(m, 4096, dtype=torch.bfloat16, seed=15),
+        _randn(m, 4096, dtype=torch.bfloat16, seed=16),
+    )
     nw = _randn(4096, dtype=torch.bfloat16, seed=17)
     w = _randn(6144, 4096, dtype=torch.bfloat16, seed=18) * 0.02
     y, s = norm_linear_gemv_triton(x, res, nw, 1e-5, w)

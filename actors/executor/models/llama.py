@@ -50,8 +50,6 @@ def norm_project(
     layer's norm and the projection after it, one kernel on the GEMV path."""
     if type(mod) is nn.Linear:
         return norm_linear(x, residual, norm.weight, norm.eps, mod.weight, mod.bias)
-    if residual is None:
-        return mod(norm(x)), x
     h, residual = fused_add_rmsnorm(x, residual, norm.weight, norm.eps)
     return mod(h), residual
 
@@ -140,7 +138,9 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = norm_project(attn.qkv_proj, self.input_layernorm, x, residual)
         h = attn(qkv, rope, ctx)
-        gate_up, residual = norm_project(mlp.gate_up_proj, self.post_attention_layernorm, h, residual)
+        gate_up, residual = norm_project(
+            mlp.gate_up_proj, self.post_attention_layernorm, h, residual
+        )
         return mlp(gate_up), residual
 
 

@@ -67,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="dummy-weight model to build when --model-path is not given")  # fmt: skip
     g.add_argument("--attention-backend", default="auto",
                    choices=("auto", "torch", "triton", "flashinfer"))  # fmt: skip
+    g.add_argument("--decode-attention-backend", default="auto",
+                   choices=("auto", "triton", "flashinfer"),
+                   help="decode kernels under flashinfer (auto: triton for small batches)")  # fmt: skip
     g.add_argument("--disable-cuda-graph", action="store_true")
     g.add_argument(
         "--disable-overlap-schedule",
@@ -234,6 +237,7 @@ def build(args: argparse.Namespace, model_dir: pathlib.Path, dummy: bool, sizes:
         model_path=str(model_dir), load_format="dummy" if dummy else "auto", device=args.device,
         dtype=args.dtype, page_size=args.page_size, seed=args.seed,
         weight_format=args.weight_format, attention_backend=args.attention_backend,
+        decode_attention_backend=args.decode_attention_backend,
         cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph,
         **sizes,
     )  # fmt: skip

@@ -85,19 +85,20 @@ def run(args: argparse.Namespace) -> int:
 def check_device(a: ServerArgs) -> None:
     """--device cuda needs a CUDA device; CUDA-only kernels need CUDA (imports torch only
     when one of those was asked for). Raises ValueError."""
-    wants_cuda = a.device == "cuda" or a.attention_backend in ("triton", "flashinfer")
-    if not wants_cuda:
+    kernels = []  # the CUDA-only kernel choices given, as flags
+    if a.attention_backend in ("triton", "flashinfer"):
+        kernels.append(f"--attention-backend {a.attention_backend}")
+    if a.decode_attention_backend != "auto":
+        kernels.append(f"--decode-attention-backend {a.decode_attention_backend}")
+    if a.device != "cuda" and not kernels:
         return
     import torch
 
     if not torch.cuda.is_available():
-        flag = (
-            "--device cuda" if a.device == "cuda" else f"--attention-backend {a.attention_backend}"
-        )
+        flag = "--device cuda" if a.device == "cuda" else kernels[0]
         raise ValueError(f"{flag}: no CUDA device is available (torch {torch.__version__})")
-    if a.device == "cpu":
-        raise ValueError(f"--attention-backend {a.attention_backend}: needs a CUDA device, "
-                         "not --device cpu")  # fmt: skip
+    if a.device == "cpu" and kernels:
+        raise ValueError(f"{kernels[0]}: needs a CUDA device, not --device cpu")
 
 
 def no_effect_notes(a: ServerArgs) -> list[str]:
@@ -169,6 +170,7 @@ def build_config(spec: ActorSpec, a: ServerArgs, ready: Mapping[str, Ready], see
                 # the scheduler's rows are below max_running_requests (256 unless set)
                 max_num_rows=a.max_running_requests or 256,
                 attention_backend=a.attention_backend, cuda_graph_max_bs=a.cuda_graph_max_bs,
+                decode_attention_backend=a.decode_attention_backend,
                 disable_cuda_graph=a.disable_cuda_graph, load_progress=console_logs(a),
             )  # fmt: skip
         case "tokenizer":

@@ -36,6 +36,7 @@ DEVICES = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOG_FORMATS = ("auto", "console", "json")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+DECODE_ATTENTION_BACKENDS = ("auto", "triton", "flashinfer")
 WEIGHT_FORMATS = ("none", "bf16", "int8", "int4")
 
 
@@ -85,6 +86,8 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     cuda_graph_max_bs: int | None = None
     disable_cuda_graph: bool = False
     attention_backend: str = "auto"
+    decode_attention_backend: str = "auto"
+    """Kernels of all-decode steps; auto: triton up to 256 entries under flashinfer (faster)."""
 
     # parallelism
     tp_size: int = 1
@@ -161,6 +164,8 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("cuda_graph_max_bs", ("--cuda-graph-max-bs",), "memory", "largest CUDA-graph batch"),
     ("disable_cuda_graph", ("--disable-cuda-graph",), "memory", "run decode without CUDA graphs"),
     ("attention_backend", ("--attention-backend",), "memory", "attention kernels"),
+    ("decode_attention_backend", ("--decode-attention-backend",), "memory",
+     "decode attention kernels (auto: triton for decode batches up to 256 under flashinfer)"),
     ("tp_size", ("--tp-size", "--tensor-parallel-size", "--tp"), "parallelism",
      "tensor parallel size"),
     ("dp_size", ("--dp-size", "--data-parallel-size", "--dp"), "parallelism",
@@ -194,6 +199,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "schedule_policy": SCHEDULE_POLICIES, "dtype": DTYPES, "load_format": LOAD_FORMATS,
     "device": DEVICES, "log_level": LOG_LEVELS, "log_format": LOG_FORMATS,
     "attention_backend": ATTENTION_BACKENDS, "weight_format": WEIGHT_FORMATS,
+    "decode_attention_backend": DECODE_ATTENTION_BACKENDS,
 }  # fmt: skip
 _PARALLEL_NAMES = {"tp_size": "tensor", "dp_size": "data", "pp_size": "pipeline"}
 assert {f for f, *_ in OPTIONS} == FIELDS, "every ServerArgs field needs exactly one OPTIONS row"
@@ -209,6 +215,9 @@ def _problems(a: ServerArgs) -> list[str]:
     for field, choices in _CHOICES.items():
         if getattr(a, field) not in choices:
             out.append(f"{flag(field)}: must be one of {', '.join(choices)}")
+    if a.decode_attention_backend == "flashinfer" and a.attention_backend in ("torch", "triton"):
+        out.append(f"{flag('decode_attention_backend')}: needs --attention-backend flashinfer "
+                   "(or auto)")  # fmt: skip
     for field, kind in _PARALLEL_NAMES.items():
         size = getattr(a, field)
         if size < 1:

@@ -62,6 +62,7 @@ def ready_info(core: ExecutorCore) -> dict[str, int | float | str]:
         "dtype": str(runner.dtype).removeprefix("torch."),
         "device": str(runner.device),
         "attention_backend": runner.backend,
+        "decode_attention_backend": runner.decode_attention_backend,
         "cuda_graph_max_bs": runner.graphs.max_bs if runner.graphs is not None else 0,
         "max_num_rows": core.max_num_rows,
     }

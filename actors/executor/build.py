@@ -129,6 +129,7 @@ def build_core(config: ExecutorConfig) -> ExecutorCore:
         model,
         pool,
         attention_backend=config.attention_backend,
+        decode_attention_backend=config.decode_attention_backend,
         max_num_rows=config.max_num_rows if on_cuda else None,
         max_context_len=max_context_len,
         cuda_graph_max_bs=max_bs,

@@ -8,6 +8,7 @@ from shunter.actors.executor.models.quant import WEIGHT_FORMATS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+DECODE_ATTENTION_BACKENDS = ("auto", "triton", "flashinfer")
 # Decode batch sizes captured as CUDA graphs up to cuda_graph_max_bs (and that bound itself)
 DEFAULT_CUDA_GRAPH_MAX_BS = 256
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -50,6 +51,11 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
     attention_backend: str = "auto"
     """"torch" (any device), "triton" or "flashinfer" (CUDA); "auto": flashinfer on CUDA
     when it imports, else triton; torch on a CPU."""
+    decode_attention_backend: str = "auto"
+    """Kernels of all-decode steps under the flashinfer backend: "triton" (split-KV
+    decode over the device slot table) or "flashinfer"; "auto": triton for batches of at
+    most runner.TRITON_DECODE_MAX_BS entries, flashinfer above. Other backends decode
+    with their own kernels ("flashinfer" then refused, and both refused on a CPU)."""
     cuda_graph_max_bs: int | None = None
     """Largest decode batch replayed from a CUDA graph; None: DEFAULT_CUDA_GRAPH_MAX_BS
     (capped by max_num_rows). Larger decode batches and every prefill run eagerly."""
@@ -61,6 +67,11 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
+            )
+        if self.decode_attention_backend not in DECODE_ATTENTION_BACKENDS:
+            raise ValueError(
+                f"decode_attention_backend must be one of {DECODE_ATTENTION_BACKENDS}, "
+                f"got {self.decode_attention_backend!r}"
             )
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")

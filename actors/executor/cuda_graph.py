@@ -14,9 +14,11 @@ slot_table.py), and returns the first B rows of the bucket's logits.
 
 Attention in a captured step reads the device slot table through a row plan whose
 length bound is the table's width, so the split count is fixed per bucket and each
-entry splits its own length on the device. Under flashinfer each bucket has its own
-fixed-buffer decode wrapper, planned on the host before each replay (outside the
-graph) from the same rows and lengths.
+entry splits its own length on the device. Under flashinfer each bucket whose
+`runner.decode_backend(bucket)` is "flashinfer" (by default those above
+TRITON_DECODE_MAX_BS) has its own fixed-buffer decode wrapper, planned on the host
+before each replay (outside the graph) from the same rows and lengths; the other
+buckets capture the Triton row path, as under the triton backend.
 
 The rope table is grown to the table's width before capture, so no captured step
 ever reallocates it. Captures run largest first and share one memory pool.
@@ -75,7 +77,8 @@ class DecodeGraphs:
         }
         self._fi: dict[int, Any] = {}  # bucket -> flashinfer GraphDecode
         if runner.flashinfer is not None:
-            self._fi = {bs: runner.flashinfer.graph_decoder(bs) for bs in self.sizes}
+            self._fi = {bs: runner.flashinfer.graph_decoder(bs) for bs in self.sizes
+                        if runner.decode_backend(bs) == "flashinfer"}  # fmt: skip
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
 

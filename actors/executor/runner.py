@@ -22,7 +22,11 @@ attention reads it; host vectors reach the device through pinned staging buffers
 `forward` launches its work without waiting for the device. An all-decode step of at
 most `cuda_graph_max_bs` entries replays a captured CUDA graph (cuda_graph.py); every
 other step runs eagerly. The attention backend is "torch" (SDPA; any device),
-"triton" or "flashinfer" (CUDA; kernels/attention_flashinfer.py).
+"triton" or "flashinfer" (CUDA; kernels/attention_flashinfer.py). Under flashinfer an
+all-decode step's kernels are `decode_backend(batch size)`'s: by default a batch of at
+most TRITON_DECODE_MAX_BS entries decodes with the Triton split-KV kernel over the
+device slot table (as the triton backend does, eager or captured), larger ones with
+flashinfer's; prefill and extend steps always run flashinfer.
 """
 
 from __future__ import annotations
@@ -72,6 +76,31 @@ def resolve_backend(
     if name == "flashinfer":
         raise ValueError(f"attention backend flashinfer needs {why}")
     return "triton"
+
+
+# Under flashinfer, an all-decode batch of at most this many entries decodes with the
+# Triton split-KV kernel when decode_attention_backend is "auto". Measured on an H200
+# (Llama-3.1-8B bf16, one run per backend, BENCHMARKS.md): Triton's decode step is
+# faster at every batch measured, 1 (128-token context) and 2 to 256 (1024-token
+# contexts), by 2-7%; larger batches are unmeasured and keep flashinfer's kernel.
+TRITON_DECODE_MAX_BS = 256
+
+
+def decode_backend_for(backend: str, requested: str, batch_size: int) -> str:
+    """The kernels ("torch", "triton" or "flashinfer") of an all-decode step of
+    `batch_size` entries, for a runner of attention `backend` (resolved) given
+    decode_attention_backend `requested`. ValueError for flashinfer decode without the
+    flashinfer backend (a CPU runner refuses any non-auto request at construction)."""
+    if requested == "flashinfer" and backend != "flashinfer":
+        raise ValueError(
+            "--decode-attention-backend flashinfer needs --attention-backend flashinfer "
+            f"(this runner's is {backend})"
+        )
+    if backend != "flashinfer":
+        return backend
+    if requested != "auto":
+        return requested
+    return "triton" if batch_size <= TRITON_DECODE_MAX_BS else "flashinfer"
 
 
 @dataclass(frozen=True)
@@ -137,6 +166,7 @@ class ModelRunner:
         kv_pool: KVPool,
         *,
         attention_backend: str = "auto",
+        decode_attention_backend: str = "auto",
         max_num_rows: int | None = None,
         max_context_len: int | None = None,
         slot_table: bool | None = None,
@@ -144,7 +174,8 @@ class ModelRunner:
         capture: bool | None = None,
         progress: bool = False,
     ) -> None:
-        """slot_table: keep the device row table (default: on CUDA when max_num_rows is
+        """decode_attention_backend: "auto", "triton" or "flashinfer" (decode_backend_for);
+        slot_table: keep the device row table (default: on CUDA when max_num_rows is
         given); cuda_graph_max_bs: capture decode graphs up to this batch (None: none);
         capture: really capture (default: on CUDA; off runs the padded graph path
         eagerly)."""
@@ -177,6 +208,11 @@ class ModelRunner:
             if attention_backend == "flashinfer":  # its page lists come from the table
                 raise ValueError("the flashinfer backend needs a slot table (max_num_rows)")
             self.backend = "triton"
+        if not on_cuda and decode_attention_backend in ("triton", "flashinfer"):
+            raise ValueError(f"decode attention backend {decode_attention_backend!r} needs "
+                             "a CUDA device")  # fmt: skip
+        decode_backend_for(self.backend, decode_attention_backend, 1)  # raises if refused
+        self.decode_attention_backend = decode_attention_backend
         self.flashinfer = None
         if self.backend == "flashinfer":
             from shunter.kernels.attention_flashinfer import FlashInferAttention
@@ -201,6 +237,10 @@ class ModelRunner:
             )
             self.graphs.capture_all(progress)
         self._num_forwards = self._num_tokens = self._num_logits = 0
+
+    def decode_backend(self, batch_size: int) -> str:
+        """The kernels of an all-decode step of batch_size entries (decode_backend_for)."""
+        return decode_backend_for(self.backend, self.decode_attention_backend, batch_size)
 
     def validate(self, inp: ForwardInput) -> None:
         """Raise ValueError if `inp` breaks the module invariants."""
@@ -291,12 +331,17 @@ class ModelRunner:
         n = inp.num_new_tokens
         num_tokens = out_slots.shape[0]
         dec = [i for i, k in enumerate(n) if k == 1]
-        use_rows = table is not None and self.backend != "flashinfer" and bool(dec)
+        if self.flashinfer is not None and table is None:
+            raise ValueError("the flashinfer backend needs ForwardInput.row_ids")
+        # flashinfer plans the step unless it is all decode and decode_backend picks the
+        # Triton kernel over the row table for its size
+        use_fi = self.flashinfer is not None and (
+            len(dec) < len(n) or self.decode_backend(len(n)) == "flashinfer"
+        )
+        use_rows = table is not None and not use_fi and bool(dec)
         ids_host = inp.input_ids.device.type == "cpu"
         parts = [inp.positions, out_slots] + ([inp.input_ids] if ids_host else [])
-        if self.flashinfer is not None:
-            if table is None:
-                raise ValueError("the flashinfer backend needs ForwardInput.row_ids")
+        if use_fi:
             parts.append(torch.tensor(inp.row_ids))
         elif use_rows:
             assert inp.row_ids is not None
@@ -310,7 +355,7 @@ class ModelRunner:
             ids, at = dev[at : at + num_tokens], at + num_tokens
         sw = self.config.sliding_window
         kv = (self.kv_pool.k_buffers, self.kv_pool.v_buffers)
-        if self.flashinfer is not None:
+        if use_fi:
             return self._flashinfer_context(inp, slots, dev[at:]), ids, positions
         rd = None
         if use_rows:

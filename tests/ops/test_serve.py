@@ -92,11 +92,13 @@ def test_configs_follow_the_server_args_and_the_executor_ready():
     assert ex.max_num_rows == 12  # the scheduler's rows
     assert (ex.attention_backend, ex.cuda_graph_max_bs, ex.disable_cuda_graph) == ("auto", None,
                                                                                   False)  # fmt: skip
+    assert ex.decode_attention_backend == "auto"
     gpu = parse_server_args(["--attention-backend", "triton", "--cuda-graph-max-bs", "48",
-                             "--disable-cuda-graph"])  # fmt: skip
+                             "--disable-cuda-graph", "--decode-attention-backend", "triton"])  # fmt: skip
     exg = build_config(specs["executor"], gpu, {}, seed=5)
     assert (exg.attention_backend, exg.cuda_graph_max_bs, exg.disable_cuda_graph) == ("triton", 48,
                                                                                   True)  # fmt: skip
+    assert exg.decode_attention_backend == "triton"
     assert (ex.max_total_tokens, ex.dtype, ex.page_size, ex.actor_id) == (
         4096,
         "float32",
@@ -197,6 +199,8 @@ def test_device_checks_and_no_effect_notes(capsys):
             check_device(ServerArgs(device="cuda"))
         code, err = _run_in_process(capsys, "--attention-backend", "triton")
         assert code == 2 and "--attention-backend triton: no CUDA device is available" in err
+        with pytest.raises(ValueError, match="--decode-attention-backend triton: no CUDA device"):
+            check_device(ServerArgs(decode_attention_backend="triton"))
     assert no_effect_notes(ServerArgs()) == []
     assert no_effect_notes(ServerArgs(attention_backend="torch", disable_cuda_graph=True)) == []
     notes = no_effect_notes(ServerArgs(device="cpu", cuda_graph_max_bs=8))

@@ -30,7 +30,8 @@ SAMPLE: dict[str, str | None] = {
     "max_prefill_tokens": "512", "chunked_prefill_size": "256", "disable_radix_cache": None,
     "disable_overlap_schedule": None, "stream_interval": "4", "max_total_tokens": "4096",
     "mem_fraction_static": "0.5", "page_size": "16", "cuda_graph_max_bs": "32",
-    "disable_cuda_graph": None, "attention_backend": "torch", "tp_size": "1", "dp_size": "1",
+    "disable_cuda_graph": None, "attention_backend": "torch",
+    "decode_attention_backend": "triton", "tp_size": "1", "dp_size": "1",
     "pp_size": "1", "log_level": "debug", "log_format": "json", "record_events": "/tmp/ev", "bus_dir": "/tmp/bus",
     "multi_process": None, "shutdown_timeout": "5", "watchdog_timeout": "60",
     "heartbeat_interval": "0.5", "start_timeout": "30",
@@ -175,6 +176,10 @@ ERRORS = [
     (["--api-key", ""], "--api-key: must not be empty"),
     (["--admin-api-key", ""], "--admin-api-key: must not be empty"),
     (["--served-model-name", ""], "--served-model-name: must not be empty"),
+    (["--attention-backend", "triton", "--decode-attention-backend", "flashinfer"],
+     "--decode-attention-backend flashinfer: needs --attention-backend flashinfer"),
+    (["--attention-backend", "torch", "--decode-attention-backend", "flashinfer"],
+     "--decode-attention-backend flashinfer: needs --attention-backend flashinfer"),
 ]  # fmt: skip
 
 
@@ -188,12 +193,26 @@ def test_validation_messages(argv, message):
 def test_choices_refused_by_the_parser():
     for flag, bad in [("--schedule-policy", "sjf"), ("--dtype", "fp8"), ("--device", "tpu"),
                       ("--load-format", "pt"), ("--log-level", "loud"),
-                      ("--weight-format", "fp4")]:  # fmt: skip
+                      ("--weight-format", "fp4"), ("--decode-attention-backend", "torch")]:  # fmt: skip
         err = io.StringIO()
         with pytest.raises(SystemExit) as info, contextlib.redirect_stderr(err):
             parse_server_args([flag, bad])
         assert info.value.code == 2
         assert "invalid choice" in err.getvalue() and bad in err.getvalue()
+
+
+def test_decode_attention_backend_parses_and_pairs_with_flashinfer():
+    assert parse_server_args([]).decode_attention_backend == "auto"
+    a = parse_server_args(["--attention-backend", "flashinfer",
+                           "--decode-attention-backend", "flashinfer"])  # fmt: skip
+    assert (a.attention_backend, a.decode_attention_backend) == ("flashinfer", "flashinfer")
+    # auto may resolve to flashinfer: only the executor can refuse that pairing
+    c = parse_server_args(["--decode-attention-backend", "flashinfer"])
+    assert (c.attention_backend, c.decode_attention_backend) == ("auto", "flashinfer")
+    b = parse_server_args(["--attention-backend", "triton", "--decode-attention-backend", "triton"])
+    assert b.decode_attention_backend == "triton"
+    with pytest.raises(ValueError, match="--decode-attention-backend bogus: must be one of auto"):
+        ServerArgs(decode_attention_backend="bogus")
 
 
 def test_server_args_is_frozen_and_round_trips():

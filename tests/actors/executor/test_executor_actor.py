@@ -91,6 +91,8 @@ async def test_ready_and_steps_match_a_core_driven_directly(config):
             assert info["num_pages"] == 64 and info["page_size"] == 4
             assert info["vocab_size"] == 512 and info["eos_token_ids"] == "2"
             assert info["max_context_len"] == 1024 and info["num_layers"] == 2
+            assert (info["attention_backend"], info["decode_attention_backend"]) == ("torch",
+                                                                                   "auto")  # fmt: skip
             # Everything sent back to back: the executor resolves LAST_SAMPLED itself.
             for b in batches():
                 await sched_bus.publish(b)
@@ -262,6 +264,8 @@ async def test_a_step_done_on_the_cpu_is_answered_before_the_next_is_submitted(c
         (dict(num_threads=0), "num_threads"),
         (dict(max_num_rows=0), "max_num_rows"),
         (dict(weight_format="fp4"), "weight_format"),
+        (dict(attention_backend="sdpa"), "attention_backend"),
+        (dict(decode_attention_backend="torch"), "decode_attention_backend"),
     ],
 )
 def test_config_rejects_bad_values(kw, needle):

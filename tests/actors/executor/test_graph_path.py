@@ -13,10 +13,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shunter.actors.executor.cuda_graph import capture_sizes
+from shunter.actors.executor import runner as runner_mod
+from shunter.actors.executor.cuda_graph import DecodeGraphs, capture_sizes
 from shunter.actors.executor.kv_pool import KVPool
 from shunter.actors.executor.loader import load_model
-from shunter.actors.executor.runner import ForwardInput, ModelRunner, resolve_backend
+from shunter.actors.executor.runner import (
+    TRITON_DECODE_MAX_BS,
+    ForwardInput,
+    ModelRunner,
+    decode_backend_for,
+    resolve_backend,
+)
 
 
 class Script:
@@ -129,6 +136,107 @@ def test_attention_backend_resolution():
         resolve_backend("flashinfer", cuda, torch.bfloat16, head_dim=16)
     with pytest.raises(ValueError, match="bf16 or fp16"):
         resolve_backend("flashinfer", cuda, torch.float32)
+
+
+M = TRITON_DECODE_MAX_BS
+SMALL = 4  # a crossover the runner tests below patch in, to fit a small table
+DECODE_BACKENDS = [
+    # (runner backend, requested, batch size, decode kernels)
+    ("torch", "auto", 1, "torch"), ("torch", "triton", 1, "torch"),
+    ("triton", "auto", 1, "triton"), ("triton", "auto", 512, "triton"),
+    ("triton", "triton", 512, "triton"),
+    ("flashinfer", "auto", 1, "triton"), ("flashinfer", "auto", M, "triton"),
+    ("flashinfer", "auto", M + 1, "flashinfer"), ("flashinfer", "auto", 512, "flashinfer"),
+    ("flashinfer", "triton", 512, "triton"), ("flashinfer", "flashinfer", 1, "flashinfer"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("backend", "requested", "bs", "want"), DECODE_BACKENDS)
+def test_decode_backend_for(backend, requested, bs, want):
+    assert decode_backend_for(backend, requested, bs) == want
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_flashinfer_decode_needs_the_flashinfer_backend(backend):
+    with pytest.raises(ValueError, match="needs --attention-backend flashinfer"):
+        decode_backend_for(backend, "flashinfer", 1)
+
+
+@pytest.mark.parametrize("requested", ["triton", "flashinfer"])
+def test_cpu_runner_refuses_cuda_decode_kernels(tiny_model_dir, requested):
+    model, config = load_model(str(tiny_model_dir("llama")), progress=False)
+    assert ModelRunner(model, KVPool(config, 16)).decode_backend(1) == "torch"
+    with pytest.raises(ValueError, match=f"decode attention backend '{requested}' needs a CUDA"):
+        ModelRunner(model, KVPool(config, 16), decode_attention_backend=requested)
+
+
+class _Planned(Exception):
+    """Raised where the stand-in flashinfer runner would plan a flashinfer wrapper."""
+
+
+def _plan(inp, out_slots, rows):
+    raise _Planned(len(inp.num_new_tokens))
+
+
+def test_flashinfer_runner_decodes_small_batches_on_the_row_path(tiny_model_dir, monkeypatch):
+    """A CPU runner posing as a flashinfer one (its flashinfer planning replaced): an
+    all-decode step that decode_backend gives to triton reads the row table and matches
+    the plain runner; every other step goes to flashinfer. The crossover is lowered to
+    SMALL so that both sides fit a small table."""
+    monkeypatch.setattr(runner_mod, "TRITON_DECODE_MAX_BS", SMALL)
+    M = SMALL
+    model, config = load_model(str(tiny_model_dir("llama")), progress=False)
+    plain = ModelRunner(model, KVPool(config, 128))
+    fi = ModelRunner(model, KVPool(config, 128), attention_backend="torch", max_num_rows=16,
+                     max_context_len=64, slot_table=True)  # fmt: skip
+    s = Script(1)
+    rows = list(range(M + 1))
+    prefill = s.step([(r, 3) for r in rows])
+    plain.forward(prefill)
+    fi.forward(prefill)
+    monkeypatch.setattr(fi, "_flashinfer_context", _plan)
+    fi.backend, fi.flashinfer = "flashinfer", object()
+
+    def run(entries, requested):
+        fi.decode_attention_backend = requested
+        inp = s.step(entries)
+        want = plain.forward(inp)
+        try:
+            got = fi.forward(inp)
+        except _Planned:
+            return "flashinfer"
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        return "triton"
+
+    assert run([(r, 1) for r in rows[:M]], "auto") == "triton"
+    assert run([(r, 1) for r in rows], "triton") == "triton"
+    # the steps below plan flashinfer before the model runs: nothing is compared after
+    assert run([(r, 1) for r in rows], "auto") == "flashinfer"
+    assert run([(0, 1)], "flashinfer") == "flashinfer"
+    assert run([(0, 1), (1, 2)], "triton") == "flashinfer"  # a mixed step: never triton
+
+
+class _FakeFlashInfer:
+    def graph_decoder(self, batch_size: int) -> tuple[str, int]:
+        return ("decoder", batch_size)
+
+
+@pytest.mark.parametrize(
+    ("requested", "buckets"),
+    [("auto", [b for b in capture_sizes(16) if b > SMALL]), ("triton", []),
+     ("flashinfer", capture_sizes(16))],
+)  # fmt: skip
+def test_graph_buckets_hold_flashinfer_decoders_only_where_it_decodes(
+    tiny_model_dir, monkeypatch, requested, buckets
+):
+    monkeypatch.setattr(runner_mod, "TRITON_DECODE_MAX_BS", SMALL)
+    model, config = load_model(str(tiny_model_dir("llama")), progress=False)
+    r = ModelRunner(model, KVPool(config, 64, pad_page=True), attention_backend="torch",
+                    max_num_rows=16, max_context_len=64, slot_table=True)  # fmt: skip
+    r.backend, r.flashinfer, r.decode_attention_backend = "flashinfer", _FakeFlashInfer(), requested
+    graphs = DecodeGraphs(r, 16, capture=False)
+    assert sorted(graphs._fi) == buckets
+    assert all(graphs._fi[b] == ("decoder", b) for b in buckets)
 
 
 def test_slot_table_decode_fast_path_writes_and_checks():

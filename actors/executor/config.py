@@ -54,7 +54,7 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
     decode_attention_backend: str = "auto"
     """Kernels of all-decode steps under the flashinfer backend: "triton" (split-KV
     decode over the device slot table) or "flashinfer"; "auto": triton for batches of at
-    most runner.TRITON_DECODE_MAX_BS entries, flashinfer above. Other backends decode
+    most backends.TRITON_DECODE_MAX_BS entries, flashinfer above. Other backends decode
     with their own kernels ("flashinfer" then refused, and both refused on a CPU)."""
     cuda_graph_max_bs: int | None = None
     """Largest decode batch replayed from a CUDA graph; None: DEFAULT_CUDA_GRAPH_MAX_BS

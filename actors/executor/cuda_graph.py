@@ -16,8 +16,8 @@ Attention in a captured step reads the device slot table through a row plan whos
 length bound is the table's width, so the split count is fixed per bucket and each
 entry splits its own length on the device. Under flashinfer each bucket whose
 `runner.decode_backend(bucket)` is "flashinfer" (by default those above
-TRITON_DECODE_MAX_BS) has its own fixed-buffer decode wrapper, planned on the host
-before each replay (outside the graph) from the same rows and lengths; the other
+backends.TRITON_DECODE_MAX_BS) has its own fixed-buffer decode wrapper, planned on the
+host before each replay (outside the graph) from the same rows and lengths; the other
 buckets capture the Triton row path, as under the triton backend.
 
 The rope table is grown to the table's width before capture, so no captured step

@@ -26,7 +26,7 @@ other step runs eagerly. The attention backend is "torch" (SDPA; any device),
 all-decode step's kernels are `decode_backend(batch size)`'s: by default a batch of at
 most TRITON_DECODE_MAX_BS entries decodes with the Triton split-KV kernel over the
 device slot table (as the triton backend does, eager or captured), larger ones with
-flashinfer's; prefill and extend steps always run flashinfer.
+flashinfer's; prefill and extend steps always run flashinfer (backends.py decides).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import msgspec
 import structlog
 import torch
 
+from shunter.actors.executor.backends import decode_backend_for, resolve_backend
 from shunter.actors.executor.kv_pool import KVPool
 from shunter.actors.executor.models.attention import (
     AttentionContext,
@@ -48,59 +49,6 @@ from shunter.actors.executor.models.llama import LlamaForCausalLM
 from shunter.actors.executor.slot_table import DeviceSlotTable, PinnedStager
 
 log = structlog.get_logger(actor="executor")
-
-
-def resolve_backend(
-    name: str, device: torch.device, dtype: torch.dtype, head_dim: int = 128
-) -> str:
-    """The attention backend a runner uses for `name` ("auto" resolved: flashinfer on
-    CUDA when it imports and supports the dtype and head size, else triton;
-    ValueError for a CUDA backend off CUDA or flashinfer where it cannot run)."""
-    if device.type != "cuda":
-        if name in ("triton", "flashinfer"):
-            raise ValueError(f"attention backend {name!r} needs a CUDA device")
-        return "torch"
-    if name not in ("auto", "flashinfer"):
-        return name
-    from shunter.kernels import attention_flashinfer as fi
-
-    why = None
-    if dtype not in fi.SUPPORTED_DTYPES:
-        why = f"bf16 or fp16, not {dtype}"
-    elif head_dim not in fi.SUPPORTED_HEAD_DIMS:
-        why = f"head_dim in {fi.SUPPORTED_HEAD_DIMS}, not {head_dim}"
-    elif not fi.flashinfer_available():
-        why = "flashinfer to import"
-    if why is None:
-        return "flashinfer"
-    if name == "flashinfer":
-        raise ValueError(f"attention backend flashinfer needs {why}")
-    return "triton"
-
-
-# Under flashinfer, an all-decode batch of at most this many entries decodes with the
-# Triton split-KV kernel when decode_attention_backend is "auto". Measured on an H200
-# (Llama-3.1-8B bf16, one run per backend, BENCHMARKS.md): Triton's decode step is
-# faster at every batch measured, 1 (128-token context) and 2 to 256 (1024-token
-# contexts), by 2-7%; larger batches are unmeasured and keep flashinfer's kernel.
-TRITON_DECODE_MAX_BS = 256
-
-
-def decode_backend_for(backend: str, requested: str, batch_size: int) -> str:
-    """The kernels ("torch", "triton" or "flashinfer") of an all-decode step of
-    `batch_size` entries, for a runner of attention `backend` (resolved) given
-    decode_attention_backend `requested`. ValueError for flashinfer decode without the
-    flashinfer backend (a CPU runner refuses any non-auto request at construction)."""
-    if requested == "flashinfer" and backend != "flashinfer":
-        raise ValueError(
-            "--decode-attention-backend flashinfer needs --attention-backend flashinfer "
-            f"(this runner's is {backend})"
-        )
-    if backend != "flashinfer":
-        return backend
-    if requested != "auto":
-        return requested
-    return "triton" if batch_size <= TRITON_DECODE_MAX_BS else "flashinfer"
 
 
 @dataclass(frozen=True)

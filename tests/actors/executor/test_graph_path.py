@@ -13,17 +13,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shunter.actors.executor import runner as runner_mod
-from shunter.actors.executor.cuda_graph import DecodeGraphs, capture_sizes
-from shunter.actors.executor.kv_pool import KVPool
-from shunter.actors.executor.loader import load_model
-from shunter.actors.executor.runner import (
+from shunter.actors.executor import backends as backends_mod
+from shunter.actors.executor.backends import (
     TRITON_DECODE_MAX_BS,
-    ForwardInput,
-    ModelRunner,
     decode_backend_for,
     resolve_backend,
 )
+from shunter.actors.executor.cuda_graph import DecodeGraphs, capture_sizes
+from shunter.actors.executor.kv_pool import KVPool
+from shunter.actors.executor.loader import load_model
+from shunter.actors.executor.runner import ForwardInput, ModelRunner
 
 
 class Script:
@@ -183,7 +182,7 @@ def test_flashinfer_runner_decodes_small_batches_on_the_row_path(tiny_model_dir,
     all-decode step that decode_backend gives to triton reads the row table and matches
     the plain runner; every other step goes to flashinfer. The crossover is lowered to
     SMALL so that both sides fit a small table."""
-    monkeypatch.setattr(runner_mod, "TRITON_DECODE_MAX_BS", SMALL)
+    monkeypatch.setattr(backends_mod, "TRITON_DECODE_MAX_BS", SMALL)
     M = SMALL
     model, config = load_model(str(tiny_model_dir("llama")), progress=False)
     plain = ModelRunner(model, KVPool(config, 128))
@@ -229,7 +228,7 @@ class _FakeFlashInfer:
 def test_graph_buckets_hold_flashinfer_decoders_only_where_it_decodes(
     tiny_model_dir, monkeypatch, requested, buckets
 ):
-    monkeypatch.setattr(runner_mod, "TRITON_DECODE_MAX_BS", SMALL)
+    monkeypatch.setattr(backends_mod, "TRITON_DECODE_MAX_BS", SMALL)
     model, config = load_model(str(tiny_model_dir("llama")), progress=False)
     r = ModelRunner(model, KVPool(config, 64, pad_page=True), attention_backend="torch",
                     max_num_rows=16, max_context_len=64, slot_table=True)  # fmt: skip

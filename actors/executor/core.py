@@ -81,6 +81,7 @@ from shunter.actors.executor.sampling import (
     sample_results,
     to_device,
 )
+from shunter.actors.executor.slot_table import long_tensor
 from shunter.bus.messages import ForwardBatch, Msg, StepResult, TopLogprob
 
 Inbox = ForwardBatch
@@ -266,31 +267,29 @@ class ExecutorCore:
         ps = self.page_size
         for o in b.opens:  # prefix pages and their tokens' slots
             if o.prefix_pages:
-                self._pages[o.row_idx, : len(o.prefix_pages)] = torch.tensor(o.prefix_pages)
+                self._pages[o.row_idx, : len(o.prefix_pages)] = long_tensor(o.prefix_pages)
                 if ps > 1 and o.num_prefix_tokens:
                     p = torch.arange(o.num_prefix_tokens)
                     self._slots[o.row_idx, : o.num_prefix_tokens] = (
                         self._pages[o.row_idx, p // ps] * ps + p % ps
                     )
-        if b.new_pages:
-            page_rows: list[int] = []
-            page_idx: list[int] = []
-            for e, k in zip(entries, b.num_new_pages):
-                if k:
-                    page_rows += [e.row_idx] * k
-                    page_idx += range(e.base_pages, e.base_pages + k)
-            self._pages[torch.tensor(page_rows), torch.tensor(page_idx)] = torch.tensor(b.new_pages)
+        if b.new_pages:  # entry e's k new pages go to its page cells base .. base + k - 1
+            k = long_tensor(b.num_new_pages)  # [E]
+            base = long_tensor([e.base_pages for e in entries]) - (torch.cumsum(k, 0) - k)
+            page_rows = torch.repeat_interleave(long_tensor([e.row_idx for e in entries]), k)
+            page_idx = torch.repeat_interleave(base, k) + torch.arange(len(b.new_pages))
+            self._pages[page_rows, page_idx] = long_tensor(b.new_pages)
 
-        counts = torch.tensor(b.num_new_tokens)  # [E]
-        starts = torch.tensor(b.start_pos)  # [E]
+        counts = long_tensor(b.num_new_tokens)  # [E]
+        starts = long_tensor(b.start_pos)  # [E]
         num_tokens = len(b.input_ids)
         if num_tokens == len(entries):  # all decode: one token per entry
             positions = starts
-            token_rows = torch.tensor(b.rows)
+            token_rows = long_tensor(b.rows)
         else:
             first = torch.cumsum(counts, 0) - counts  # [E] offset of each entry's first token
             positions = torch.repeat_interleave(starts - first, counts) + torch.arange(num_tokens)
-            token_rows = torch.repeat_interleave(torch.tensor(b.rows), counts)  # [T]
+            token_rows = torch.repeat_interleave(long_tensor(b.rows), counts)  # [T]
         if ps > 1:
             self._slots[token_rows, positions] = (
                 self._pages[token_rows, positions // ps] * ps + positions % ps
@@ -304,7 +303,7 @@ class ExecutorCore:
             num_new_tokens=list(b.num_new_tokens),
             seq_lens=seq_lens,
             slot_tables=[slots[e.row_idx, :sl] for e, sl in zip(entries, seq_lens)],
-            logits_indices=torch.tensor(logits_idx, dtype=torch.int64),
+            logits_indices=long_tensor(logits_idx),
             checked=True,  # plan_batch checked the batch against the row mirror
             row_ids=[e.row_idx for e in entries],
             fresh=[e.row_idx in opened or e.row_idx in self._unsynced for e in entries],
@@ -317,10 +316,10 @@ class ExecutorCore:
             if all(e.from_device for e in entries):  # every input is a sample in flight
                 rows = device_tensor([e.row_idx for e in entries], self._last_tokens.device)
                 return self._last_tokens[rows]
-            ids = torch.tensor([e.ids[0] for e in entries])
+            ids = long_tensor([e.ids[0] for e in entries])
             firsts = list(range(len(entries)))
         else:
-            ids = torch.tensor([t for e in entries for t in e.ids])
+            ids = long_tensor([t for e in entries for t in e.ids])
             firsts, off = [], 0
             for e in entries:
                 firsts.append(off)

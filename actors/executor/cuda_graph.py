@@ -42,6 +42,7 @@ import torch
 from tqdm import tqdm
 
 from shunter.actors.executor.models.attention import AttentionContext, RowDecode
+from shunter.actors.executor.slot_table import long_tensor
 
 if TYPE_CHECKING:
     from shunter.actors.executor.runner import ForwardInput, ModelRunner
@@ -149,8 +150,8 @@ class DecodeGraphs:
         if not ids_on_device:
             block[0, :bs] = inp.input_ids
         block[1, :bs] = inp.positions
-        block[2, :bs] = torch.tensor(inp.row_ids)
-        block[3, :bs] = torch.tensor(inp.seq_lens)
+        block[2, :bs] = long_tensor(inp.row_ids)
+        block[3, :bs] = long_tensor(inp.seq_lens)
         block[4, :bs] = out_slots
         dev_block = self._inputs[bucket]
         self.runner.stager.stage([block], out=dev_block.view(-1))

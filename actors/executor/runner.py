@@ -46,7 +46,7 @@ from shunter.actors.executor.models.attention import (
 )
 from shunter.actors.executor.models.config import ModelConfig
 from shunter.actors.executor.models.llama import LlamaForCausalLM
-from shunter.actors.executor.slot_table import DeviceSlotTable, PinnedStager
+from shunter.actors.executor.slot_table import DeviceSlotTable, PinnedStager, long_tensor
 
 log = structlog.get_logger(actor="executor")
 
@@ -290,11 +290,11 @@ class ModelRunner:
         ids_host = inp.input_ids.device.type == "cpu"
         parts = [inp.positions, out_slots] + ([inp.input_ids] if ids_host else [])
         if use_fi:
-            parts.append(torch.tensor(inp.row_ids))
+            parts.append(long_tensor(inp.row_ids))
         elif use_rows:
             assert inp.row_ids is not None
-            parts += [torch.tensor([inp.row_ids[i] for i in dec]),
-                      torch.tensor([inp.seq_lens[i] for i in dec])]  # fmt: skip
+            parts += [long_tensor([inp.row_ids[i] for i in dec]),
+                      long_tensor([inp.seq_lens[i] for i in dec])]  # fmt: skip
         dev = self.stager.stage(parts)
         positions, slots = dev[:num_tokens], dev[num_tokens : 2 * num_tokens]
         at = 2 * num_tokens

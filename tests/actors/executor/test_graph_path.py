@@ -252,3 +252,17 @@ def test_slot_table_decode_fast_path_writes_and_checks():
         t.update([3], [False], [1], [1], [torch.tensor([0])], torch.tensor([0]))
     with pytest.raises(ValueError, match="slot table"):
         t.update([0], [False], [1], [9], [torch.arange(9)], torch.tensor([8]))
+
+
+def test_long_tensor_equals_torch_tensor_of_the_list():
+    from shunter.actors.executor.slot_table import long_tensor
+
+    values = [5, -1, 2**40, 0, 7]
+    t = long_tensor(values)
+    assert t.dtype == torch.int64 and torch.equal(t, torch.tensor(values))
+    values[0] = 99  # the tensor owns its buffer, not the list
+    assert int(t[0]) == 5
+    t += 1  # and it is writable
+    assert long_tensor([]).shape == (0,) and long_tensor([]).dtype == torch.int64
+    with pytest.raises(TypeError):
+        long_tensor([1.5])

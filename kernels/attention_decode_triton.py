@@ -14,9 +14,14 @@ the GPU about four programs per multiprocessor; each entry divides its own kv_le
 over them (read on the device), so a captured step balances whatever lengths it
 replays with.
 
+Both kernels launch with programmatic dependent launch on Hopper (kernels/pdl.py).
+
 Invariants: the plan's kv_lens[b] >= 1 and its first kv_lens[b] index cells are valid
-slots (the runner checks before the step); a split with no keys writes lse = -inf
-and adds nothing. Scores and the softmax are float32; P is rounded to V's dtype for
+slots (the runner checks before the step); a split with no keys (past the entry's
+length, or before its window) writes nothing, and the merge, which recomputes the same
+ranges from kv_lens, reads only the others. A captured step splits by the table's
+width, so for a short context most splits are empty: they cost a program start, not a
+store and a load. Scores and the softmax are float32; P is rounded to V's dtype for
 the second dot (the usual flash-attention trade, inside the bf16 tolerance).
 """
 
@@ -29,6 +34,7 @@ import triton
 import triton.language as tl
 
 from shunter.kernels.attention_decode import DecodePlan
+from shunter.kernels.pdl import pdl_enter, use_pdl
 
 MIN_KEYS_PER_SPLIT = 256
 # Measured on an H200 (one entry of 131072 keys, 8 KV heads): 2 programs per SM reached
@@ -93,7 +99,9 @@ def _decode_split_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -158,7 +166,7 @@ def _decode_split_kernel(
             o.to(out_ptr.dtype.element_ty),
             mask=om,
         )
-    else:
+    elif start < end:  # a split with no keys writes nothing: the merge skips it
         row = (b * tl.num_programs(1) * group + heads) * num_splits + split  # [G] in [B*H*S]
         tl.store(mid_o_ptr + row[:, None] * BLOCK_D + d[None, :], o, mask=om)
         lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -169,24 +177,37 @@ def _decode_split_kernel(
 def _decode_merge_kernel(
     mid_o_ptr,
     mid_lse_ptr,
+    lens_ptr,
     out_ptr,
     out_b_stride,
     out_h_stride,
     num_heads,
     num_splits,
     head_dim,
+    window,
+    HAS_WINDOW: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    sm = sp < num_splits
+    # the splits stage 1 gave keys to (the same ranges it computed); the others wrote nothing
+    kv_len = tl.load(lens_ptr + b).to(tl.int32)
+    chunk_b = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    start = sp * chunk_b
+    end = tl.minimum(start + chunk_b, kv_len)
+    if HAS_WINDOW:
+        start = tl.maximum(start, kv_len - window)
+    sm = (sp < num_splits) & (start < end)
     row = (b * num_heads + h) * num_splits + sp  # [S]
     lse = tl.load(mid_lse_ptr + row, mask=sm, other=float("-inf"))
     m = tl.max(lse, 0)
-    w = tl.where(sm, tl.exp(lse - m), 0.0)  # empty splits: exp(-inf) = 0
+    w = tl.where(sm, tl.exp(lse - m), 0.0)  # skipped splits weigh 0
     o = tl.load(mid_o_ptr + row[:, None] * BLOCK_D + d[None, :], mask=sm[:, None], other=0.0)
     o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
     tl.store(
@@ -248,6 +269,7 @@ def attention_decode_triton(
     num_splits = triton.cdiv(max_len, chunk)  # no split that even the longest entry leaves empty
     block_d = max(triton.next_power_of_2(head_dim), 16)
     direct = num_splits == 1
+    pdl = use_pdl(q)
     if direct:
         mid_o = mid_lse = out  # unused
     else:
@@ -285,19 +307,27 @@ def attention_decode_triton(
         BLOCK_G=max(triton.next_power_of_2(group), 16),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
+        USE_PDL=pdl,
         num_warps=4,
+        launch_pdl=pdl,
     )
     if not direct:
         _decode_merge_kernel[(bsz, num_heads)](
             mid_o,
             mid_lse,
+            plan.kv_lens,
             out,
             out.stride(0),
             out.stride(1),
             num_heads,
             num_splits,
             head_dim,
+            sliding_window or 0,
+            HAS_WINDOW=sliding_window is not None,
+            BLOCK_N=block_n,
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
+            USE_PDL=pdl,
+            launch_pdl=pdl,
         )
     return out

@@ -5,6 +5,8 @@ the gate half and the matching block of the up half of one row and writes one bl
 of the output. silu is taken in float32 and rounded to the input dtype before the
 product, as `F.silu(gate) * up` rounds on the CPU path.
 
+Launched with programmatic dependent launch on Hopper (kernels/pdl.py).
+
 Invariants: the last axis is contiguous and even; rows may have any stride.
 """
 
@@ -14,9 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
+from shunter.kernels.pdl import pdl_enter, use_pdl
+
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, x_row_stride, out_row_stride, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(
+    x_ptr, out_ptr, x_row_stride, out_row_stride, inter,
+    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < inter
@@ -41,5 +49,7 @@ def silu_mul_triton(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] and inter:
         block = min(triton.next_power_of_2(inter), 1024)
         grid = (x2.shape[0], triton.cdiv(inter, block))
-        _silu_mul_kernel[grid](x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block)
+        pdl = use_pdl(x2)
+        _silu_mul_kernel[grid](x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block,
+                               USE_PDL=pdl, launch_pdl=pdl)  # fmt: skip
     return out.view(*x.shape[:-1], inter)

@@ -168,9 +168,13 @@ class ModelRunner:
             c = self.config
             ps = kv_pool.page_size
             # page ids of one graph replay: rows may share prefix pages, so bound by
-            # what max_bs rows of full context can name, not by the pool
+            # what the largest bucket decoding with flashinfer (the largest bucket, when
+            # any does) can name at full context, not by the pool
             width = max_context_len or c.max_position_embeddings
-            replay_pages = (cuda_graph_max_bs or 0) * -(-width // ps)
+            fi_bs = cuda_graph_max_bs or 0
+            if fi_bs and self.decode_backend(fi_bs) != "flashinfer":
+                fi_bs = 0  # every bucket decodes with the Triton kernel
+            replay_pages = fi_bs * -(-width // ps)
             self.flashinfer = FlashInferAttention(
                 num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                 page_size=ps, dtype=self.dtype, device=self.device,

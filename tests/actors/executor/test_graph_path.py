@@ -266,3 +266,31 @@ def test_long_tensor_equals_torch_tensor_of_the_list():
     assert long_tensor([]).shape == (0,) and long_tensor([]).dtype == torch.int64
     with pytest.raises(TypeError):
         long_tensor([1.5])
+
+
+@pytest.mark.parametrize(("crossover", "want_pages"), [(256, 0), (SMALL, 16 * 64)])
+def test_graph_page_buffer_is_sized_for_flashinfer_buckets_only(
+    tiny_model_dir, monkeypatch, crossover, want_pages
+):
+    """The flashinfer graph decoders' shared page-id buffer holds what the largest
+    flashinfer bucket can name (16 rows x 64 positions here); with every bucket on the
+    Triton kernel it is only the pool's size."""
+    from shunter.actors.executor import runner as runner_mod
+    from shunter.kernels import attention_flashinfer as fi_mod
+
+    made: dict = {}
+
+    class _Recording(_FakeFlashInfer):
+        def __init__(self, **kw) -> None:
+            made.update(kw)
+
+    monkeypatch.setattr(fi_mod, "FlashInferAttention", _Recording)
+    monkeypatch.setattr(runner_mod, "resolve_backend", lambda *a, **k: "flashinfer")
+    monkeypatch.setattr(backends_mod, "TRITON_DECODE_MAX_BS", crossover)
+    model, config = load_model(str(tiny_model_dir("llama")), progress=False)
+    pool = KVPool(config, 64, pad_page=True)
+    r = ModelRunner(model, pool, max_num_rows=16, max_context_len=64, slot_table=True,
+                    cuda_graph_max_bs=16, capture=False)  # fmt: skip
+    assert r.backend == "flashinfer"
+    assert made["max_num_pages"] == max(pool.num_pages + 1, want_pages)
+    assert bool(r.graphs._fi) == (want_pages > 0)

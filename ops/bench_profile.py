@@ -66,7 +66,8 @@ def prefill_profile(driver: Driver, prompt: list[int], top: int = 25) -> list[di
 
 def fold(averages, device_time: bool, top: int) -> list[dict]:
     """Rows of the profiler's per-name averages, largest total time first: device
-    kernels by their own device time, or (on a CPU) ops by their own host time."""
+    kernels by their own device time, or (on a CPU) ops by their own host time; at most
+    `top` rows, the last of them summing the rest when there are more."""
     rows = []
     for e in averages:
         if device_time:
@@ -79,10 +80,14 @@ def fold(averages, device_time: bool, top: int) -> list[dict]:
             rows.append({"name": e.key, "calls": e.count, "total_us": float(total)})
     grand = sum(r["total_us"] for r in rows) or 1.0
     rows.sort(key=lambda r: -r["total_us"])
+    if len(rows) > top:  # the tail as one row, so that the shares add up to 1
+        rest = rows[top - 1 :]
+        rows[top - 1 :] = [{"name": f"({len(rest)} more)", "calls": sum(r["calls"] for r in rest),
+                            "total_us": sum(r["total_us"] for r in rest)}]  # fmt: skip
     for r in rows:
         r["mean_us"] = r["total_us"] / max(r["calls"], 1)
         r["share"] = r["total_us"] / grand
-    return rows[:top]
+    return rows
 
 
 def format_rows(rows: list[dict], steps: int) -> str:

@@ -161,7 +161,8 @@ def test_whole_run_on_a_cpu_at_toy_sizes(tmp_path, capsys):
     assert summary["config"]["attention_backend_used"] == "torch"
     assert summary["offline_steps"] == 4  # one prefill of all three, then three decodes
     prof = summary["bs1_kernel_profile"]  # on a CPU: host ops by their own time
-    assert prof and abs(sum(r["share"] for r in prof) - 1.0) < 0.2
+    assert prof and abs(sum(r["share"] for r in prof) - 1.0) < 1e-9  # the tail is one row
+    assert [r["share"] for r in prof[:-1]] == sorted((r["share"] for r in prof[:-1]), reverse=True)
     assert any("mm" in r["name"] or "linear" in r["name"] for r in prof)
     assert summary["bs2_kernel_profile"]
     assert summary["prefill_kernel_profile"]
@@ -202,3 +203,18 @@ def test_synthetic_tokenizer_loads_in_the_tokenizer_actor_and_covers_the_vocabul
     last = TINY["vocab_size"] - 1
     assert codec.decode([5, last, 17]) == f"t5 t{last} t17"
     assert codec.encode("t5 t6", add_special_tokens=False) == [5, 6]
+
+
+def test_profile_fold_keeps_top_rows_and_sums_the_tail():
+    from types import SimpleNamespace
+
+    from shunter.ops.bench_profile import fold
+
+    ops = [SimpleNamespace(key=f"op{i}", count=2, self_cpu_time_total=float(t),
+                           device_type=torch.autograd.DeviceType.CPU)
+           for i, t in enumerate([50, 0, 30, 10, 6, 4])]  # fmt: skip
+    rows = fold(ops, device_time=False, top=3)
+    assert [r["name"] for r in rows] == ["op0", "op2", "(3 more)"]
+    assert rows[2]["total_us"] == 20 and rows[2]["calls"] == 6 and rows[2]["mean_us"] == 20 / 6
+    assert [r["share"] for r in rows] == [0.5, 0.3, 0.2]
+    assert [r["name"] for r in fold(ops, device_time=False, top=5)][-1] == "op5"

@@ -41,6 +41,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
 fi
 
 export PYTHONUNBUFFERED=1
+# No working directory on sys.path: from a checkout it is the package itself, whose
+# subpackages (kernels, ops, ...) would shadow installed packages of those names.
+export PYTHONSAFEPATH=1
 case "$cmd" in
   serve)  exec "$venv/bin/shunter" serve "$@" ;;
   bench)  exec "$venv/bin/shunter" bench "$@" ;;

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
 import shutil
 import subprocess
@@ -89,3 +90,16 @@ def test_actor_cores_are_pure():
     for p in (ROOT / "actors").rglob("*core*.py"):
         bad = _imports(p) & banned_mods
         assert not bad, f"{p.relative_to(ROOT)} imports {bad}"
+
+
+def test_a_checkout_root_on_sys_path_does_not_shadow_top_level_packages():
+    """Run from a checkout, the working directory (the package itself) is on sys.path;
+    importing shunter takes it off, so `kernels`, `ops`, ... stay the installed
+    packages of those names (transformers imports the Hub's `kernels`)."""
+    code = ("import importlib.util, shunter; "
+            "print([getattr(importlib.util.find_spec(n), 'origin', None) "
+            "for n in ('kernels', 'ops', 'bus', 'gateway', 'actors')])")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True,
+                         capture_output=True, text=True).stdout  # fmt: skip
+    assert str(ROOT) not in out, out

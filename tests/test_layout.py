@@ -96,10 +96,13 @@ def test_a_checkout_root_on_sys_path_does_not_shadow_top_level_packages():
     """Run from a checkout, the working directory (the package itself) is on sys.path;
     importing shunter takes it off, so `kernels`, `ops`, ... stay the installed
     packages of those names (transformers imports the Hub's `kernels`)."""
+    names = ("kernels", "ops", "bus", "gateway", "actors")
     code = ("import importlib.util, shunter; "
-            "print([getattr(importlib.util.find_spec(n), 'origin', None) "
-            "for n in ('kernels', 'ops', 'bus', 'gateway', 'actors')])")  # fmt: skip
+            f"print('\\n'.join(str(getattr(importlib.util.find_spec(n), 'origin', None)) "
+            f"for n in {names!r}))")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True,
                          capture_output=True, text=True).stdout  # fmt: skip
-    assert str(ROOT) not in out, out
+    origins = dict(zip(names, out.splitlines(), strict=True))
+    shadowed = {n: o for n, o in origins.items() if o.startswith(str(ROOT / n) + os.sep)}
+    assert not shadowed, shadowed

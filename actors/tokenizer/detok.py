@@ -18,7 +18,9 @@ string is held back and the rest is released.
 Invariants
 ----------
 - Released text never ends inside a UTF-8 character, except at `flush` (the request is
-  over) and after MAX_HELD_IDS ids that never completed one (invalid bytes).
+  over). After MAX_HELD_IDS ids that never completed one (invalid bytes), the invalid
+  bytes are released as U+FFFD up to a cut no character straddles, the last ids still
+  held: the chunks join to the full decode.
 - A stop string can only start inside `pending`: any earlier start would have made a
   longer suffix a prefix of that stop string, and it would have been held.
 - Text released before a stop match plus the final chunk equals the decoded output cut
@@ -108,8 +110,21 @@ class IncrementalDetokenizer:
             if len(text) > len(prefix_text) and not text.endswith(REPLACEMENT_CHAR):
                 return self._release(prefix_text, text, end)
         if self.num_held_ids > MAX_HELD_IDS:  # can no longer complete: invalid bytes
-            return self._release(prefix_text, new_text, len(self._ids))
+            return self._release_invalid(prefix_text, new_text)
         return ""
+
+    def _release_invalid(self, prefix_text: str, new_text: str) -> str:
+        """Release held invalid bytes, but not the last MAX_BYTES_PER_CHAR - 1 ids (a
+        character the next ids complete may start there): cut at the latest boundary no
+        character straddles (both sides decoded apart give the whole), so that what is
+        released reads as the full decode will. A decoder that changes pieces decoded
+        alone (no clean cut found) gets everything released, as a bound on the work."""
+        p, ids = self._prefix_offset, self._ids
+        for end in range(len(ids) - (MAX_BYTES_PER_CHAR - 1), self._read_offset, -1):
+            head = self._decode(ids[p:end])
+            if head + self._decode(ids[end:]) == new_text:
+                return self._release(prefix_text, head, end)
+        return self._release(prefix_text, new_text, len(ids))
 
     def _release(self, prefix_text: str, text: str, end: int) -> str:
         self._prefix_offset = self._read_offset

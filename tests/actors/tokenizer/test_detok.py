@@ -57,6 +57,17 @@ def test_any_chunking_reassembles_the_full_decode(codec, text, sizes):
         assert all(REPLACEMENT_CHAR not in c for c in chunks)
 
 
+def test_invalid_bytes_before_a_character_keep_it_whole(codec):
+    """Lone continuation bytes (text the tokenizer cannot encode) held past
+    MAX_HELD_IDS, then a two-byte character whose first byte is already held: the
+    released U+FFFDs must not swallow it (a case hypothesis found)."""
+    text = "000000000\x80\U00040000\U00040000Ä"
+    ids = codec.encode(text)
+    chunks = _stream(codec, ids, [1, 1, 1, 1, 2, 4, 4, 4])
+    assert "".join(chunks) == codec.decode(ids)
+    assert codec.decode(ids).endswith("Ä")
+
+
 def test_truncated_character_is_released_at_flush(codec):
     ids = codec.encode("x😀")
     d = IncrementalDetokenizer(codec)

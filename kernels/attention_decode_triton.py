@@ -69,6 +69,19 @@ if INTERPRETED:
 
 
 @triton.jit
+def _split_keys(kv_len, split, num_splits, window, HAS_WINDOW: tl.constexpr,
+                BLOCK_N: tl.constexpr):  # fmt: skip
+    """[start, end) of the keys split(s) `split` (a scalar or a vector) attend: an
+    entry's own keys divided evenly, in whole blocks, over the splits, cut to the window."""
+    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, kv_len)
+    if HAS_WINDOW:
+        start = tl.maximum(start, kv_len - window)
+    return start, end
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -110,12 +123,7 @@ def _decode_split_kernel(
         idx_row = tl.load(rows_ptr + b).to(tl.int64)
     else:
         idx_row = b
-    # each entry's own keys split evenly, in whole blocks, over the splits
-    chunk_b = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk_b
-    end = tl.minimum(start + chunk_b, kv_len)
-    if HAS_WINDOW:
-        start = tl.maximum(start, kv_len - window)
+    start, end = _split_keys(kv_len, split, num_splits, window, HAS_WINDOW, BLOCK_N)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     gm = g < group
@@ -196,13 +204,9 @@ def _decode_merge_kernel(
     h = tl.program_id(1)
     sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    # the splits stage 1 gave keys to (the same ranges it computed); the others wrote nothing
+    # the splits stage 1 gave keys to (the same ranges); the others wrote nothing
     kv_len = tl.load(lens_ptr + b).to(tl.int32)
-    chunk_b = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    start = sp * chunk_b
-    end = tl.minimum(start + chunk_b, kv_len)
-    if HAS_WINDOW:
-        start = tl.maximum(start, kv_len - window)
+    start, end = _split_keys(kv_len, sp, num_splits, window, HAS_WINDOW, BLOCK_N)
     sm = (sp < num_splits) & (start < end)
     row = (b * num_heads + h) * num_splits + sp  # [S]
     lse = tl.load(mid_lse_ptr + row, mask=sm, other=float("-inf"))

@@ -7,8 +7,9 @@ torch on a CPU). `decode_backend_for` picks the kernels of an all-decode step fr
 that backend and --decode-attention-backend: under flashinfer, "auto" hands decode
 batches of up to TRITON_DECODE_MAX_BS entries to the Triton split-KV kernel, which
 was measured faster (BENCHMARKS.md); prefill and extend steps keep the backend's own
-kernels. Both are pure functions of their arguments (the flashinfer import aside), so
-the runner resolves once at construction and tests check the tables directly.
+kernels. Both are pure functions of their arguments (the flashinfer import aside): the
+runner resolves its backend once at construction and asks for a decode step's kernels
+by batch size, and tests check the tables directly.
 """
 
 from __future__ import annotations

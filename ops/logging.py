@@ -46,7 +46,10 @@ def configure(level: str = "info", fmt: str = "auto", *, stream=None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        # One write per line (message and newline together): actor processes share the
+        # server's stderr, and under PYTHONUNBUFFERED print()'s two writes let another
+        # process's line land between a message and its newline.
+        logger_factory=structlog.WriteLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
     root = logging.getLogger()

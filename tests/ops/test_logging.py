@@ -5,6 +5,9 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import structlog
@@ -54,3 +57,33 @@ def test_auto_is_json_when_not_a_terminal_and_bad_values_are_refused():
         shunter_logging.configure("loud")
     with pytest.raises(ValueError, match="log format 'xml'"):
         shunter_logging.configure("info", "xml")
+
+
+_WRITER = """
+import os, sys, structlog
+from shunter.ops import logging as shunter_logging
+shunter_logging.configure("info", "json")
+log = structlog.get_logger().bind(actor=sys.argv[1])
+for i in range(int(sys.argv[2])):
+    log.info("line", i=i, pad="x" * 150)
+"""
+
+
+def test_processes_sharing_unbuffered_stderr_never_split_a_line(tmp_path):
+    """Actor processes inherit the server's stderr; with PYTHONUNBUFFERED each line must
+    still reach it in one write, or another process's line lands inside it."""
+    n = 3000
+    path = tmp_path / "shared.log"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(path, "wb") as f:
+        procs = [
+            subprocess.Popen([sys.executable, "-c", _WRITER, name, str(n)],
+                             stderr=f, stdout=subprocess.DEVNULL, env=env)
+            for name in ("a", "b", "c")
+        ]  # fmt: skip
+        assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    lines = path.read_text().splitlines()
+    parsed = [json.loads(x) for x in lines]  # a split or joined line fails to parse
+    assert sorted((x["actor"], x["i"]) for x in parsed) == sorted(
+        (a, i) for a in "abc" for i in range(n)
+    )

@@ -7,10 +7,8 @@ Theory of operation: the pool's per-layer k_cache / v_cache [num_slots, Hkv, D]
 (slot = page * page_size + offset) are viewed as [num_pages, page_size, Hkv, D],
 which is flashinfer's NHD paged layout, so no KV is copied. An entry's KV is named by
 its page ids (kv_indices, on the device) and two host arrays: kv_indptr (where each
-entry's pages start in kv_indices) and kv_last_page_len (tokens in its last page).
-`kv_page_layout` builds the host arrays from KV lengths; `kv_page_indices` gathers
-page ids from the executor's device slot table with ops whose output sizes are known
-on the host, so nothing waits for the device. Once per step, `plan_*` hands these to
+entry's pages start in kv_indices) and kv_last_page_len (tokens in its last page);
+kernels/page_layout.py builds them without waiting for the device. Once per step, `plan_*` hands these to
 flashinfer (which schedules the work on the host and copies its plan to the device
 asynchronously); every layer then calls `decode` / `extend`, which only launch
 kernels. Extend is causal within the new tokens, aligned to the end of the KV
@@ -44,7 +42,6 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,65 +69,6 @@ def decode_uses_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
     the CUDA-core kernel; other groups the CUDA-core kernel lacks need it too."""
     group = num_heads // num_kv_heads
     return group >= 4 or group not in CUDA_CORE_DECODE_GROUPS
-
-
-def kv_page_layout(kv_lens: Sequence[int], page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Host int32 (kv_indptr [B+1], kv_last_page_len [B]) of entries with these KV
-    lengths (each >= 1): entry b owns ceil(len_b / page_size) pages."""
-    lens = torch.as_tensor(list(kv_lens), dtype=torch.int64)
-    if page_size < 1 or (lens.numel() and int(lens.min()) < 1):
-        raise ValueError(f"need page_size >= 1 and KV lengths >= 1 (page_size {page_size})")
-    num_pages = (lens + page_size - 1) // page_size
-    indptr = torch.zeros(lens.numel() + 1, dtype=torch.int32)
-    torch.cumsum(num_pages, 0, out=indptr[1:])
-    last = (lens - (num_pages - 1) * page_size).to(torch.int32)
-    return indptr, last
-
-
-def extend_qo_indptr(num_new_tokens: Sequence[int]) -> torch.Tensor:
-    """Host int32 [B+1]: where each entry's new tokens start in the query rows."""
-    indptr = torch.zeros(len(num_new_tokens) + 1, dtype=torch.int32)
-    torch.cumsum(torch.as_tensor(list(num_new_tokens), dtype=torch.int64), 0, out=indptr[1:])
-    return indptr
-
-
-def kv_page_indices(
-    table: torch.Tensor,
-    rows: torch.Tensor,
-    kv_lens: Sequence[int],
-    page_size: int,
-    stage: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """[nnz] int32 page ids on table's device: for entry b, the pages of slots
-    table[rows[b], 0:kv_lens[b]:page_size], in order.
-
-    table: [num_rows, max_ctx] int32/int64 token slots (a page's tokens sit in
-    consecutive slots from a multiple of page_size); rows: [B] int on table's device.
-    Only B-sized metadata crosses to the device and every output size comes from the
-    host lengths, so no call waits for the device. stage: copies host int64 vectors
-    to the device as one concatenation (the runner's pinned stager, so the copy is
-    truly asynchronous); by default a plain non-blocking copy each."""
-    pages = [(n + page_size - 1) // page_size for n in kv_lens]
-    if len(pages) != rows.shape[0] or rows.device != table.device:
-        raise ValueError(f"{len(pages)} kv lengths for rows {list(rows.shape)} on {rows.device}")
-    nnz = sum(pages)
-    if nnz == 0:
-        return torch.empty(0, dtype=torch.int32, device=table.device)
-    counts = torch.tensor(pages, dtype=torch.int64)
-    first = torch.cumsum(counts, 0) - counts  # [B] host: each entry's first output index
-    b = counts.shape[0]
-    if stage is not None:
-        both = stage([counts, first])
-        counts, first = both[:b], both[b:]
-    else:
-        counts = counts.to(table.device, non_blocking=True)
-        first = first.to(table.device, non_blocking=True)
-    # per entry (row, first output index), repeated once per page of the entry
-    per_entry = torch.stack([rows.to(torch.int64), first], 1)
-    per_page = torch.repeat_interleave(per_entry, counts, dim=0, output_size=nnz)  # [nnz, 2]
-    col = (torch.arange(nnz, dtype=torch.int64, device=table.device) - per_page[:, 1]) * page_size
-    slots = table[per_page[:, 0], col]  # [nnz] first slot of each page
-    return torch.div(slots, page_size, rounding_mode="floor").to(torch.int32)
 
 
 def _window_left(sliding_window: int | None) -> int:

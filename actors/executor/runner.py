@@ -335,7 +335,7 @@ class ModelRunner:
     ) -> AttentionContext:
         """Plan the step's flashinfer wrapper: decode, prefill when every entry's KV is
         all new, else extend; rows: the entries' slot-table rows, on the device."""
-        from shunter.kernels.attention_flashinfer import extend_qo_indptr
+        from shunter.kernels.page_layout import extend_qo_indptr
 
         assert self.flashinfer is not None
         n = inp.num_new_tokens
@@ -364,12 +364,14 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """flashinfer's (kv_indptr host, page ids device, last page lengths host) of
         entries at slot-table `rows` (device) with KV lengths `lens`."""
-        from shunter.kernels import attention_flashinfer as fi
+        from shunter.kernels import page_layout
 
         assert self.slot_table is not None
         ps = self.kv_pool.page_size
-        kv_indptr, last_len = fi.kv_page_layout(lens, ps)
-        indices = fi.kv_page_indices(self.slot_table.table, rows, lens, ps, self.stager.stage)
+        kv_indptr, last_len = page_layout.kv_page_layout(lens, ps)
+        indices = page_layout.kv_page_indices(
+            self.slot_table.table, rows, lens, ps, self.stager.stage
+        )
         return kv_indptr, indices, last_len
 
     def statistics(self) -> RunnerStats:

@@ -1,4 +1,5 @@
-"""flashinfer paged attention (kernels/attention_flashinfer.py).
+"""flashinfer paged attention (kernels/attention_flashinfer.py) and its host page
+layout (kernels/page_layout.py).
 
 CPU tier: the host page-layout helpers, the device page-id gather
 (`kv_page_indices`, against a per-entry Python loop), the layout checks, the
@@ -37,11 +38,9 @@ from shunter.kernels.attention_flashinfer import (
     FlashInferAttention,
     _Geometry,
     decode_uses_tensor_cores,
-    extend_qo_indptr,
     flashinfer_available,
-    kv_page_indices,
-    kv_page_layout,
 )
+from shunter.kernels.page_layout import extend_qo_indptr, kv_page_indices, kv_page_layout
 
 TOL = dict(atol=2e-2, rtol=2e-2)
 HEADS = [(32, 8, 128), (4, 2, 64)]  # (num_heads, num_kv_heads, head_dim)

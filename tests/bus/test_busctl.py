@@ -32,7 +32,8 @@ from shunter.bus.messages import (
     TokensOut,
 )
 from shunter.bus.zmq_transport import BusEndpoints, ZmqBus
-from shunter.ops.busctl import Filter, build_parser, log_statistics
+from shunter.ops.bus_view import Filter, log_statistics
+from shunter.ops.busctl import build_parser
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPLAY_TESTS = HERE / "test_replay.py"

@@ -37,16 +37,14 @@ tokens reach the host, and step N+1's sample sees every host state step N change
 order would: the results are the same, token for token. `flush()` finishes the step
 in flight; `step(batch)` is submit then flush; `handle` calls `step`.
 
-Row tables: `_pages` [max_rows, max_pages_per_row] int64 holds page ids and `_slots`
-[max_rows, max_context_len] int64 the flat KV slot of every token position
-(slot = page * page_size + position % page_size); with page_size 1 they are the same
-tensor. Each entry's slot table handed to the runner is a view `_slots[row, :seq_len]`,
-so a decode step allocates nothing per row.
+Row tables (row_tables.py): every row's page ids and the KV slot of every token
+position; each entry's slot table handed to the runner is a view of a row, so a
+decode step allocates nothing per row.
 
 Invariants
 ----------
 - For every row: num_tokens <= num_pages * page_size <= max_context_len rounded up to
-  a page, and _slots[row, :num_tokens] are the slots of its tokens.
+  a page, and tables.slots[row, :num_tokens] are the slots of its tokens.
 - A row has a pending sample iff it sampled since its last fed token; LAST_SAMPLED is
   accepted only as the first input of such a row's entry. The sample's value is on
   the host (row.pending) or, while its step is in flight, only in _last_tokens
@@ -73,6 +71,7 @@ from shunter.actors.executor.core_plan import (
     plan_batch,
     prompt_logprobs,
 )
+from shunter.actors.executor.row_tables import RowTables
 from shunter.actors.executor.runner import ForwardInput
 from shunter.actors.executor.sampling import (
     DeviceSample,
@@ -85,7 +84,6 @@ from shunter.actors.executor.slot_table import long_tensor
 from shunter.bus.messages import ForwardBatch, Msg, StepResult, TopLogprob
 
 Inbox = ForwardBatch
-_ROW_CHUNK = 64  # row tables grow by at least this many rows
 
 
 class ExecutorStats(msgspec.Struct, frozen=True):
@@ -136,12 +134,7 @@ class ExecutorCore:
         self._rows: dict[int, Row] = {}
         # rows opened that have run no entry yet (the runner copies their whole slot table)
         self._unsynced: set[int] = set()
-        self._pages = torch.zeros(0, self.max_pages_per_row, dtype=torch.int64)
-        self._slots = (
-            self._pages
-            if self.page_size == 1
-            else torch.zeros(0, self.max_context_len, dtype=torch.int64)
-        )
+        self._tables = RowTables(self.page_size, self.max_pages_per_row, self.max_context_len)
         device = torch.device(getattr(runner, "device", "cpu"))
         self._last_tokens = torch.zeros(max_num_rows, dtype=torch.int64, device=device)
         self._inflight: _InFlight | None = None
@@ -247,38 +240,15 @@ class ExecutorCore:
 
     # ---- 2. stage -------------------------------------------------------------------
 
-    def _ensure_rows(self, max_row_idx: int) -> None:
-        have = self._pages.shape[0]
-        if max_row_idx < have:
-            return
-        grow = max(max_row_idx + 1 - have, have, _ROW_CHUNK)
-        self._pages = torch.cat([self._pages, self._pages.new_zeros(grow, self._pages.shape[1])])
-        if self.page_size == 1:
-            self._slots = self._pages
-        else:
-            self._slots = torch.cat(
-                [self._slots, self._slots.new_zeros(grow, self._slots.shape[1])]
-            )
-
     def _stage(
         self, b: ForwardBatch, entries: list[Entry], opened: dict[int, Row], logits_idx: list[int]
     ) -> ForwardInput:
-        self._ensure_rows(max(max(b.rows), max(opened, default=0)))
-        ps = self.page_size
+        tables = self._tables
+        tables.ensure(max(max(b.rows), max(opened, default=0)))
         for o in b.opens:  # prefix pages and their tokens' slots
-            if o.prefix_pages:
-                self._pages[o.row_idx, : len(o.prefix_pages)] = long_tensor(o.prefix_pages)
-                if ps > 1 and o.num_prefix_tokens:
-                    p = torch.arange(o.num_prefix_tokens)
-                    self._slots[o.row_idx, : o.num_prefix_tokens] = (
-                        self._pages[o.row_idx, p // ps] * ps + p % ps
-                    )
-        if b.new_pages:  # entry e's k new pages go to its page cells base .. base + k - 1
-            k = long_tensor(b.num_new_pages)  # [E]
-            base = long_tensor([e.base_pages for e in entries]) - (torch.cumsum(k, 0) - k)
-            page_rows = torch.repeat_interleave(long_tensor([e.row_idx for e in entries]), k)
-            page_idx = torch.repeat_interleave(base, k) + torch.arange(len(b.new_pages))
-            self._pages[page_rows, page_idx] = long_tensor(b.new_pages)
+            tables.open(o.row_idx, o.prefix_pages, o.num_prefix_tokens)
+        tables.append_pages([e.row_idx for e in entries], [e.base_pages for e in entries],
+                            b.num_new_pages, b.new_pages)  # fmt: skip
 
         counts = long_tensor(b.num_new_tokens)  # [E]
         starts = long_tensor(b.start_pos)  # [E]
@@ -290,13 +260,10 @@ class ExecutorCore:
             first = torch.cumsum(counts, 0) - counts  # [E] offset of each entry's first token
             positions = torch.repeat_interleave(starts - first, counts) + torch.arange(num_tokens)
             token_rows = torch.repeat_interleave(long_tensor(b.rows), counts)  # [T]
-        if ps > 1:
-            self._slots[token_rows, positions] = (
-                self._pages[token_rows, positions // ps] * ps + positions % ps
-            )
+        tables.write_slots(token_rows, positions)
 
         seq_lens = [e.start + len(e.ids) for e in entries]
-        slots = self._slots
+        slots = tables.slots
         return ForwardInput(
             input_ids=self._input_ids(entries, num_tokens),
             positions=positions,

@@ -351,7 +351,9 @@ class FlashInferAttention(_Decoder):
             if t.dtype != g.dtype:
                 raise ValueError(f"planned for {g.dtype}, got {t.dtype}")
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        return self._ragged.run(q, k.contiguous(), v.contiguous(), out=out)
+        # the kernels take token and head strides for q, k and v alike: the model's
+        # views of its qkv projection are read in place, not copied
+        return self._ragged.run(q, k, v, out=out)
 
     def graph_decoder(self, batch_size: int) -> GraphDecode:
         """The decoder for exactly `batch_size` entries (one per size, made on first use)."""

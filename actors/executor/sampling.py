@@ -42,10 +42,10 @@ Invariants
 ----------
 - `RowSampling` is the only mutable state; `sample` mutates nothing but the generators.
 - A greedy row never consumes a random draw.
-- sample_on_device reads nothing back from the device, except one flag per top-p row
-  (which way its nucleus is sorted), and never waits for it: every index and
-  parameter tensor it builds reaches the logits' device by an asynchronous copy
-  from pinned memory (to_device).
+- sample_on_device never waits for the device on a GPU: every index and parameter
+  tensor it builds reaches the logits' device by an asynchronous copy from pinned
+  memory (to_device), and nothing is read back. (On the CPU a top-p row reads one
+  flag, which way its nucleus is sorted; there nothing runs ahead to wait for.)
 """
 
 from __future__ import annotations
@@ -60,8 +60,11 @@ from shunter.bus.messages.request import SamplingParams
 
 # Temperatures at or below this are greedy (a division by ~0 would overflow anyway).
 GREEDY_TEMPERATURE = 1e-5
-# Top-p first looks for the nucleus among this many most likely tokens (see _sample_group).
+# Top-p first looks for the nucleus among this many most likely tokens (see _sample_group)
+# on these devices. Choosing reads a flag back, which on a GPU would stall the pipeline
+# (the next step's forward waits for this host): there top-p rows sort everything.
 NUCLEUS_CANDIDATES = 1024
+NARROW_NUCLEUS_DEVICES = ("cpu",)
 
 
 def validate_params(params: SamplingParams, vocab_size: int) -> str | None:
@@ -295,7 +298,11 @@ def _sample_group(x: torch.Tensor, rows: Sequence[RowSampling], sorted_path: boo
         kept = truncate_probs(probs, top_k, None, min_p, kmax=kmax, use_min_p=use_min_p)
         return _draw(kept, uniforms)
     top_p = device_tensor([r.params.top_p for r in rows], dev, dt)
-    # Sorting the whole vocabulary is the cost of top-p. When the NUCLEUS_CANDIDATES
+    if dev.type not in NARROW_NUCLEUS_DEVICES:  # one sort, nothing read back
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        kept = truncate_probs(sorted_probs, top_k, top_p, min_p, kmax=kmax, use_min_p=use_min_p)
+        return order.gather(1, _draw(kept, uniforms).unsqueeze(1)).squeeze(1)
+    # Sorting the whole vocabulary is the cost of top-p on the CPU. When the NUCLEUS_CANDIDATES
     # most likely tokens already hold more than top_p (plus a margin for rounding), the
     # nucleus lies inside them, so sorting them alone (topk) gives the same kept set in
     # the same order; the other rows sort everything. Which way a row goes depends only

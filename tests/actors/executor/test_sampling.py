@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from shunter.actors.executor import sampling
 from shunter.actors.executor.sampling import (
     RowSampling,
     apply_penalties,
@@ -267,10 +268,14 @@ def test_resume_continues_the_random_stream_and_counts():
     assert _run([fresh], steps[:3])[0] == first[:3]
 
 
-def test_sampled_tokens_match_a_plain_reference_sampler():
+@pytest.mark.parametrize("narrow_devices", [("cpu",), ()], ids=["candidates", "sort-all"])
+def test_sampled_tokens_match_a_plain_reference_sampler(monkeypatch, narrow_devices):
     """Every non-greedy path (vocabulary order, top-p inside the candidate set, top-p
     over the whole sorted vocabulary) against a per-row reference: softmax, the kept
-    set of _reference_keep, then inverse CDF with the row's own first uniform."""
+    set of _reference_keep, then inverse CDF with the row's own first uniform. Both
+    ways to top-p give the same tokens: the CPU's (candidates first, reading a flag)
+    and a GPU's (one sort of every row, nothing read back)."""
+    monkeypatch.setattr(sampling, "NARROW_NUCLEUS_DEVICES", narrow_devices)
     num_vocab = 4096  # > NUCLEUS_CANDIDATES, so flat rows take the full sort
     g = torch.Generator().manual_seed(21)
     params, logits = [], []

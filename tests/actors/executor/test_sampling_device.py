@@ -95,3 +95,21 @@ def test_cuda_logits_sample_the_same_tokens_as_cpu_logits():
         ]
         for x, y in zip(a.logprobs, b.logprobs):
             assert (math.isnan(x) and math.isnan(y)) or abs(x - y) < 1e-4
+
+
+@pytest.mark.gpu
+def test_cuda_sampling_never_waits_for_the_device():
+    """Every path of MIXED launches without a device sync (torch's sync debug mode
+    raises on one), so a step's sample never stalls the next step's launch."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    rows = _rows()
+    x = _logits(0).cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ds = sample_on_device(x, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert ds.tokens.shape == (len(MIXED),)

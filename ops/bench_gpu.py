@@ -43,7 +43,7 @@ import torch
 from tqdm import tqdm
 
 from shunter.actors.executor.models.config import ModelConfig
-from shunter.ops.bench_gpu_driver import Driver, offline_run, random_prompts
+from shunter.ops.bench_gpu_driver import GREEDY, Driver, offline_run, random_prompts
 from shunter.ops.bench_gpu_model import (
     H200_PEAK_BF16_FLOPS,
     MODELS,
@@ -94,6 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kernel-profile-bs", default="1",
                    help="comma-separated batch sizes --kernel-profile profiles; the entry "
                         "'prefill' profiles one --prefill-len prefill instead")  # fmt: skip
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling of every row (default 0: greedy)")  # fmt: skip
+    g.add_argument("--top-p", type=float, default=1.0, help="sampling of every row")
     g.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     g.add_argument("--out", default=None, help="also write the JSON summary here")
 
@@ -270,8 +273,10 @@ def run(args: argparse.Namespace) -> int:
     s["config"] = {**msgspec.to_builtins(cfg), "model": args.model_path or args.model,
                    "torch": torch.__version__, "device_name": _device_name(dev),
                    "attention_backend_used": getattr(core.runner, "backend", None),
-                   "num_pages": core.num_pages}  # fmt: skip
-    driver = Driver(core)
+                   "num_pages": core.num_pages, "temperature": args.temperature,
+                   "top_p": args.top_p}  # fmt: skip
+    params = msgspec.structs.replace(GREEDY, temperature=args.temperature, top_p=args.top_p)
+    driver = Driver(core, params=params)
     mcfg = core.runner.config
     nb = torch.empty(0, dtype=core.runner.dtype).element_size()
     vocab, steps, copy_gbs = core.vocab_size, args.decode_steps, s.get("copy_gbs")
@@ -290,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
         s[f"decode_tok_s_bs{bs}"], s[f"decode_ms_bs{bs}"] = tok_s, dt / steps * 1e3
         frac = roofline_frac(mcfg, tok_s, bs, plen, steps, copy_gbs, nb)
         s[f"decode_bs{bs}_roofline_frac"] = frac
-        if bs == 1:
+        if bs == 1 and params.temperature == 0.0:  # HF's greedy tokens are compared
             s["bs1_tokens"] = seqs[0]
         _say(f"decode bs={bs} ({plen}-token prompts, {steps} steps): {tok_s:.1f} tok/s, "
              f"{dt / steps * 1e3:.2f} ms/step" + (f", {frac:.1%} of roofline" if frac else "")

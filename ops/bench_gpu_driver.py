@@ -44,6 +44,7 @@ class Driver:
     """Hands ForwardBatches to an ExecutorCore with rows and pages from free lists."""
 
     core: ExecutorCore
+    params: SamplingParams = GREEDY  # every row's
     step_id: int = 0
     row_len: dict[int, int] = field(default_factory=dict)  # open row -> tokens with KV
     row_pages: dict[int, list[int]] = field(default_factory=dict)
@@ -99,7 +100,7 @@ class Driver:
         for e in entries:
             start = self.row_len[e.row]
             if start == 0:
-                opens.append(RowOpen(e.row, f"bench-{e.row}", [], 0, GREEDY, e.row))
+                opens.append(RowOpen(e.row, f"bench-{e.row}", [], 0, self.params, e.row))
             need = self.pages_needed(start + len(e.input_ids)) - len(self.row_pages[e.row])
             pages = [self.free_pages.pop() for _ in range(need)]
             self.row_pages[e.row] += pages

@@ -168,6 +168,20 @@ def test_whole_run_on_a_cpu_at_toy_sizes(tmp_path, capsys):
     assert summary["prefill_kernel_profile"]
 
 
+def test_sampled_run_reports_no_greedy_agreement(capsys):
+    """--temperature/--top-p sample every row (top-p through its sorted path): the run
+    completes, and greedy agreement with HF is not claimed for sampled tokens."""
+    args = _args(["--device", "cpu", "--model", "tiny-llama", "--dtype", "float32",
+                  "--batch-sizes", "1,3", "--decode-steps", "4", "--prefill-len", "32",
+                  "--decode-prompt-len", "8", "--bs1-prompt-len", "8", "--repeats", "1",
+                  "--hf-new-tokens", "4", "--offline-requests", "2", "--offline-input-len",
+                  "8", "--offline-output-len", "3", "--temperature", "0.8", "--top-p", "0.9"])  # fmt: skip
+    assert bg.run(args) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["decode_tok_s_bs3"] > 0 and summary["offline_output_tok_s"] > 0
+    assert "bs1_greedy_agree_tokens" not in summary
+
+
 def test_cpu_defaults_stay_and_cuda_without_a_gpu_is_refused(capsys):
     args = _args(["--device", "cuda", "--skip-hf"])
     if torch.cuda.is_available():

@@ -248,13 +248,20 @@ def test_overlap_on_cuda_gives_the_results_of_one_step_at_a_time(cuda_config):
     assert encoded(run_pipelined(build_core(cuda_config), batches)) == encoded(sync)
 
 
+TOP_P = SamplingParams(temperature=0.8, top_p=0.9, top_k=100, min_p=0.01)
+
+
 @pytest.mark.gpu
-def test_submitting_greedy_decode_steps_does_not_synchronize_the_device(cuda_config):
+@pytest.mark.parametrize(
+    "params", [GREEDY, TOP_P, SEEDED_PEN], ids=["greedy", "top_p", "penalties"]
+)
+def test_submitting_decode_steps_does_not_synchronize_the_device(cuda_config, params):
     """Under torch's sync debug mode "error" any synchronizing call (a blocking copy,
-    .item(), .tolist() of a device tensor, nonzero) raises, and the step fails with it."""
+    .item(), .tolist() of a device tensor, nonzero) raises, and the step fails with it.
+    Sampled rows too: a sync there would stall every step behind its own forward."""
     core, b = build_core(cuda_config), Builder()
     rows = range(8)
-    opens = [(r, f"r{r}", GREEDY, 0) for r in rows]
+    opens = [(r, f"r{r}", params, r) for r in rows]
     assert core.step(b.batch([(r, [5 + r, 6, 7]) for r in rows], opens=opens)).error is None
     results = core.submit(b.batch([(r, [LS]) for r in rows]))  # warm-up: graphs, allocators
     results += core.submit(b.batch([(r, [LS]) for r in rows]))

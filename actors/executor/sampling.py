@@ -33,6 +33,10 @@ come from the host (each row's own CPU generator, then moved), so a seeded row d
 the same tokens on every device that computes the same logits. Between the two calls
 the executor launches the next step's forward (core.py). `sample` does both at once.
 
+flashinfer's sampling kernels (rejection sampling, no sort) are not used: they draw
+from one seed and offset per call, by a row's position in the batch, so a seeded
+request's tokens would depend on its neighbours; here a row's draws are its own.
+
 Logprobs are those of the model's RAW distribution: log_softmax of the logits before
 penalties, bias, masks, temperature and truncation (vLLM's default "raw logprobs").
 So a token's logprob does not depend on the sampling settings, and prompt logprobs

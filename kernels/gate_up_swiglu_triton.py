@@ -30,13 +30,14 @@ from shunter.kernels.gate_up_swiglu import tma_ready
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): a 128 x (2 x 128) tile
 # is the shape Hopper's tensor cores are fed best at by two warpgroups
 CONFIG = (128, 128, 64, 8, 8, 3)
+CONFIG_FP32 = (64, 64, 32, 8, 4, 2)  # float32 tiles take twice the shared memory
 
 
 @triton.jit
 def _gate_up_swiglu_kernel(
     x_desc, w_desc, y_desc, M, inter, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -56,8 +57,12 @@ def _gate_up_swiglu_kernel(
         a = x_desc.load([off_m, off_k])  # [BLOCK_M, BLOCK_K]
         w_gate = w_desc.load([off_n, off_k])  # [BLOCK_N, BLOCK_K]
         w_up = w_desc.load([inter + off_n, off_k])
-        acc_gate = tl.dot(a, w_gate.T, acc_gate)
-        acc_up = tl.dot(a, w_up.T, acc_up)
+        if IEEE:  # float32 operands: full-precision dots, not TF32
+            acc_gate = tl.dot(a, w_gate.T, acc_gate, input_precision="ieee")
+            acc_up = tl.dot(a, w_up.T, acc_up, input_precision="ieee")
+        else:
+            acc_gate = tl.dot(a, w_gate.T, acc_gate)
+            acc_up = tl.dot(a, w_up.T, acc_up)
     # in a last, partial column block the gate tile reaches into W's up rows and the
     # up tile past W's end (zeros): those columns are >= inter, which the store drops
     y = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
@@ -65,9 +70,11 @@ def _gate_up_swiglu_kernel(
 
 
 def gate_up_swiglu_triton(
-    x: torch.Tensor, weight: torch.Tensor, config: tuple[int, ...] = CONFIG
+    x: torch.Tensor, weight: torch.Tensor, config: tuple[int, ...] | None = None
 ) -> torch.Tensor:
-    """x [M, K] and the fused gate_up weight [2 * inter, K] -> [M, inter]."""
+    """x [M, K] and the fused gate_up weight [2 * inter, K] -> [M, inter]. config:
+    (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages), by default CONFIG
+    (CONFIG_FP32 for float32)."""
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1] or weight.shape[0] % 2:
         raise ValueError(f"gate_up_swiglu: x {list(x.shape)} and weight {list(weight.shape)}")
     if x.dtype != weight.dtype or x.device != weight.device:
@@ -80,6 +87,8 @@ def gate_up_swiglu_triton(
     y = torch.empty((m, inter), dtype=x.dtype, device=x.device)
     if m == 0 or inter == 0:
         return y
+    fp32 = x.dtype == torch.float32
+    config = config or (CONFIG_FP32 if fp32 else CONFIG)
     block_m, block_n, block_k, group_m, num_warps, num_stages = config
     x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
     w_desc = TensorDescriptor.from_tensor(weight, [block_n, block_k])
@@ -88,6 +97,6 @@ def gate_up_swiglu_triton(
     _gate_up_swiglu_kernel[grid](
         x_desc, w_desc, y_desc, m, inter, k,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-        NUM_STAGES=num_stages, num_warps=num_warps,
+        NUM_STAGES=num_stages, IEEE=fp32, num_warps=num_warps,
     )  # fmt: skip
     return y

@@ -29,7 +29,6 @@ from shunter.kernels.attention_decode_triton import attention_decode_triton
 from shunter.kernels.attention_extend import attention_extend_torch, plan_extend
 from shunter.kernels.attention_extend_triton import attention_extend_triton, extend_meta
 from shunter.kernels.gate_up_swiglu import gate_up_swiglu_ref
-from shunter.kernels.gate_up_swiglu_triton import CONFIG as gate_up_swiglu_config
 from shunter.kernels.gate_up_swiglu_triton import gate_up_swiglu_triton
 from shunter.kernels.kv_store import kv_store_ref, kv_store_torch
 from shunter.kernels.kv_store_triton import kv_store_triton
@@ -233,12 +232,11 @@ def _check_extend(
 def _check_gate_up_swiglu(copy_gbs: float, t: int = 8192, config=None) -> dict:
     """The gate/up GEMM with the SwiGLU in its epilogue against cuBLAS then silu_mul."""
     x, w = _rand(t, HIDDEN), _rand(2 * INTER, HIDDEN) * 0.02
-    cfg = config or gate_up_swiglu_config
-    err = rel_err(gate_up_swiglu_triton(x, w, cfg), gate_up_swiglu_ref(x, w))
+    err = rel_err(gate_up_swiglu_triton(x, w, config), gate_up_swiglu_ref(x, w))
     name = "gate_up_swiglu" + ("" if config is None else f" {config}")
     return _row(name, f"{t}x{HIDDEN}x{2 * INTER}", err, TOL_ELEMENTWISE,
                 (x.numel() + w.numel() + t * INTER) * 2,
-                bench_ms(lambda: gate_up_swiglu_triton(x, w, cfg), reps=20),
+                bench_ms(lambda: gate_up_swiglu_triton(x, w, config), reps=20),
                 bench_ms(lambda: silu_mul_triton(F.linear(x, w)), reps=20), copy_gbs,
                 flops=2.0 * t * HIDDEN * 2 * INTER)  # fmt: skip
 

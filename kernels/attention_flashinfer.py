@@ -8,10 +8,10 @@ Theory of operation: the pool's per-layer k_cache / v_cache [num_slots, Hkv, D]
 which is flashinfer's NHD paged layout, so no KV is copied. An entry's KV is named by
 its page ids (kv_indices, on the device) and two host arrays: kv_indptr (where each
 entry's pages start in kv_indices) and kv_last_page_len (tokens in its last page);
-kernels/page_layout.py builds them without waiting for the device. Once per step, `plan_*` hands these to
-flashinfer (which schedules the work on the host and copies its plan to the device
-asynchronously); every layer then calls `decode` / `extend`, which only launch
-kernels. Extend is causal within the new tokens, aligned to the end of the KV
+kernels/page_layout.py builds them without waiting for the device. Once per step,
+`plan_*` hands these to flashinfer (which schedules the work on the host and copies
+its plan to the device asynchronously); every layer then calls `decode` / `extend`,
+which only launch kernels. Extend is causal within the new tokens, aligned to the end of the KV
 (flashinfer's causal mask for append). A sliding window of w keys is flashinfer's
 window_left = w - 1. The softmax scale arrives with the query: plans fix sm_scale at
 1 and runs pass q_scale=scale (flashinfer multiplies them). A prefill whose

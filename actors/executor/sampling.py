@@ -306,13 +306,12 @@ def _sample_group(x: torch.Tensor, rows: Sequence[RowSampling], sorted_path: boo
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         kept = truncate_probs(sorted_probs, top_k, top_p, min_p, kmax=kmax, use_min_p=use_min_p)
         return order.gather(1, _draw(kept, uniforms).unsqueeze(1)).squeeze(1)
-    # Sorting the whole vocabulary is the cost of top-p on the CPU. When the NUCLEUS_CANDIDATES
-    # most likely tokens already hold more than top_p (plus a margin for rounding), the
-    # nucleus lies inside them, so sorting them alone (topk) gives the same kept set in
-    # the same order; the other rows sort everything. Which way a row goes depends only
-    # on its own distribution, so batch composition still does not change its token.
-    # Choosing the way reads one flag per row back to the host (the one device sync of
-    # sampling; greedy and top-p-free rows have none).
+    # Sorting the whole vocabulary is the cost of top-p on the CPU. When the
+    # NUCLEUS_CANDIDATES most likely tokens already hold more than top_p (plus a margin
+    # for rounding), the nucleus lies inside them, so sorting them alone (topk) gives
+    # the same kept set in the same order; the other rows sort everything. Which way a
+    # row goes depends only on its own distribution, so batch composition still does
+    # not change its token. Choosing the way reads one flag per row back to the host.
     num_cand = min(num_vocab, NUCLEUS_CANDIDATES)
     cand, cand_order = probs.topk(num_cand, dim=-1)  # [G, C] descending
     narrow = (cand.sum(-1) > top_p + 1e-4).tolist()  # [G] bool

@@ -61,6 +61,7 @@ from typing import NamedTuple
 import torch
 
 from shunter.bus.messages.request import SamplingParams
+from shunter.kernels.argmax import argmax
 
 # Temperatures at or below this are greedy (a division by ~0 would overflow anyway).
 GREEDY_TEMPERATURE = 1e-5
@@ -365,12 +366,12 @@ def sample_on_device(logits: torch.Tensor, rows: Sequence[RowSampling]) -> Devic
 
     greedy = [i for i, r in enumerate(rows) if r.greedy]
     if len(greedy) == len(rows):
-        tokens = x.argmax(dim=-1)  # [B]
+        tokens = argmax(x)  # [B]
     else:
         tokens = torch.empty(len(rows), dtype=torch.int64, device=dev)
         if greedy:
             g = device_tensor(greedy, dev)
-            tokens[g] = x[g].argmax(dim=-1)
+            tokens[g] = argmax(x[g])
         for sorted_path in (False, True):
             idx = [
                 i

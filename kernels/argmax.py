@@ -1,15 +1,18 @@
 """Greedy token choice: the index of each row's largest logit (the first one on ties,
 as torch.argmax).
 
-Dispatch: CUDA tensors go to the two-stage Triton kernel of kernels/argmax_triton.py
-(imported on first use), which spreads a row over many programs: torch's reduction
-takes one row per block, so a decode step of a few rows over a 128k vocabulary reads
-its logits with a handful of multiprocessors. Others take torch.argmax.
+Dispatch: CUDA batches of at most `MAX_ROWS` rows go to the two-stage Triton kernel
+of kernels/argmax_triton.py (imported on first use), which spreads a row over many
+programs: torch's reduction takes one row per block, so a decode step of a few rows
+over a 128k vocabulary reads its logits with a handful of multiprocessors. Others
+take torch.argmax. `MAX_ROWS` 0 means never (until the kernel is measured in a step).
 """
 
 from __future__ import annotations
 
 import torch
+
+MAX_ROWS = 0  # rows up to which the Triton kernel runs (0: never)
 
 
 def argmax_ref(x: torch.Tensor) -> torch.Tensor:
@@ -19,7 +22,7 @@ def argmax_ref(x: torch.Tensor) -> torch.Tensor:
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """[B, V] logits without NaNs -> [B] int64 index of each row's first maximum."""
-    if x.is_cuda and x.dim() == 2 and x.shape[1] > 0:
+    if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.shape[1] > 0:
         from shunter.kernels.argmax_triton import argmax_triton
 
         return argmax_triton(x)

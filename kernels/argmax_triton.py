@@ -1,9 +1,10 @@
 """Row argmax as two Triton kernels (the GPU path of kernels/argmax.py).
 
 Theory of operation: stage 1 runs one program per (row, split); a split walks its
-contiguous part of the row in blocks, keeping the largest value seen and the first
-index holding it (a block's own first maximum replaces it only when strictly larger,
-so ties go to the earlier index), and writes that pair. Stage 2 runs one program per
+contiguous part of the row in blocks, each lane keeping the largest value it saw and
+the first index holding it (replaced only by a strictly larger value, so ties keep
+the earlier index), then writes the split's maximum and the smallest index among the
+lanes holding it. Stage 2 runs one program per
 row over its splits' pairs: the largest value, and among equal values the smallest
 index. The number of splits gives the GPU a few programs per multiprocessor whatever
 the batch size, each split at least one block long.
@@ -31,19 +32,19 @@ def _argmax_split_kernel(x_ptr, val_ptr, idx_ptr, V, x_row_stride, chunk, num_sp
     split = tl.program_id(1)
     start = split * chunk
     end = tl.minimum(start + chunk, V)
-    best = -float("inf")
-    best_idx = start * 0  # int32 0
+    lanes = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], -float("inf"), tl.float32)  # per lane: largest value seen
+    best_idx = tl.zeros([BLOCK], tl.int32)  # and the first index holding it
     for off in range(start, end, BLOCK):
-        cols = off + tl.arange(0, BLOCK)
+        cols = off + lanes
         v = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < end, other=-float("inf"))
-        v = v.to(tl.float32)
-        m = tl.max(v, 0)
-        i = tl.min(tl.where(v == m, cols, V), 0)  # the block's first maximum
-        take = m > best
-        best_idx = tl.where(take, i, best_idx)
-        best = tl.where(take, m, best)
-    tl.store(val_ptr + row * num_splits + split, best)
-    tl.store(idx_ptr + row * num_splits + split, best_idx)
+        take = v.to(tl.float32) > best
+        best = tl.where(take, v.to(tl.float32), best)
+        best_idx = tl.where(take, cols, best_idx)
+    m = tl.max(best, 0)
+    first = tl.min(tl.where(best == m, best_idx, 2147483647), 0)
+    tl.store(val_ptr + row * num_splits + split, m)
+    tl.store(idx_ptr + row * num_splits + split, first)
 
 
 @triton.jit

@@ -75,12 +75,10 @@ from shunter.actors.executor.row_tables import RowTables
 from shunter.actors.executor.runner import ForwardInput
 from shunter.actors.executor.sampling import (
     DeviceSample,
-    device_tensor,
     sample_on_device,
     sample_results,
-    to_device,
 )
-from shunter.actors.executor.slot_table import long_tensor
+from shunter.actors.executor.slot_table import device_tensor, long_tensor, to_device
 from shunter.bus.messages import ForwardBatch, Msg, StepResult, TopLogprob
 
 Inbox = ForwardBatch

@@ -60,6 +60,8 @@ from typing import NamedTuple
 
 import torch
 
+from shunter.actors.executor.penalties import apply_penalties, needs_processing
+from shunter.actors.executor.slot_table import device_tensor, to_device
 from shunter.bus.messages.request import SamplingParams
 from shunter.kernels.argmax import argmax
 
@@ -99,23 +101,6 @@ def validate_params(params: SamplingParams, vocab_size: int) -> str | None:
     if any(not math.isfinite(b) and b != -math.inf for b in p.logit_bias.values()):
         return "logit_bias values must be finite (or -inf to ban a token)"
     return None
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without waiting for the device. A plain copy to CUDA
-    synchronizes the stream (it would wait for the forward in flight), so it goes
-    through pinned memory, asynchronously; the caching host allocator keeps the pinned
-    block until the copy ran."""
-    if device.type != "cuda" or t.device == device:
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def device_tensor(
-    values: Sequence, device: torch.device, dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """torch.tensor(values, dtype=dtype) on `device`, as to_device moves it."""
-    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 class RowSampling:
@@ -173,65 +158,6 @@ class SampleOutput(NamedTuple):
     token_ids: list[int]  # one per row
     logprobs: list[float]  # raw logprob per row (NaN for rows that did not ask); [] if none asked
     top_logprobs: list[list[tuple[int, float]]]  # per row, [] for rows that did not ask
-
-
-def apply_penalties(x: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
-    """Stages 1-4 of the pipeline on x: [B, V] float32, IN PLACE (pass a copy of the
-    model's logits); returns x."""
-    rep_r, rep_t, rep_p = [], [], []
-    fp_r, fp_t, fp_v = [], [], []
-    bias_r, bias_t, bias_v = [], [], []
-    mask_r, mask_t = [], []
-    for i, row in enumerate(rows):
-        p = row.params
-        if p.repetition_penalty != 1.0 and row.seen:
-            rep_r += [i] * len(row.seen)
-            rep_t += row.seen
-            rep_p += [p.repetition_penalty] * len(row.seen)
-        if row.output_counts:
-            fp_r += [i] * len(row.output_counts)
-            fp_t += row.output_counts.keys()
-            fp_v += [
-                p.frequency_penalty * c + p.presence_penalty for c in row.output_counts.values()
-            ]
-        if p.logit_bias:
-            bias_r += [i] * len(p.logit_bias)
-            bias_t += p.logit_bias.keys()
-            bias_v += p.logit_bias.values()
-        if row.num_output_tokens < p.min_new_tokens and row.masked_ids:
-            mask_r += [i] * len(row.masked_ids)
-            mask_t += row.masked_ids
-    dev = x.device
-    if rep_r:
-        r, t = device_tensor(rep_r, dev), device_tensor(rep_t, dev)
-        pen = device_tensor(rep_p, dev, x.dtype)
-        v = x[r, t]  # [N]
-        x[r, t] = torch.where(v > 0, v / pen, v * pen)
-    if fp_r:
-        x.index_put_(
-            (device_tensor(fp_r, dev), device_tensor(fp_t, dev)),
-            -device_tensor(fp_v, dev, x.dtype),
-            accumulate=True,
-        )
-    if bias_r:
-        x.index_put_(
-            (device_tensor(bias_r, dev), device_tensor(bias_t, dev)),
-            device_tensor(bias_v, dev, x.dtype),
-            accumulate=True,
-        )
-    if mask_r:
-        x[device_tensor(mask_r, dev), device_tensor(mask_t, dev)] = -math.inf
-    return x
-
-
-def _needs_processing(row: RowSampling) -> bool:
-    p = row.params
-    return bool(
-        (p.repetition_penalty != 1.0 and row.seen)
-        or row.output_counts
-        or p.logit_bias
-        or (row.num_output_tokens < p.min_new_tokens and row.masked_ids)
-    )
 
 
 def truncate_probs(
@@ -361,7 +287,7 @@ def sample_on_device(logits: torch.Tensor, rows: Sequence[RowSampling]) -> Devic
     assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
     dev = logits.device
     x = logits
-    if any(_needs_processing(r) for r in rows):
+    if any(needs_processing(r) for r in rows):
         x = apply_penalties(logits.clone(), rows)
 
     greedy = [i for i, r in enumerate(rows) if r.greedy]

@@ -18,6 +18,9 @@ buffers; a buffer is reused only after the event recorded behind its last copy h
 completed, so the host may run a step or two ahead of the device without overwriting
 data the device has not read yet.
 
+`to_device` / `device_tensor` move one small host tensor (or list) the same way,
+through a pinned copy, for the step's index vectors outside the stager.
+
 Host vectors come from Python lists of ints (a ForwardBatch's fields): `long_tensor`
 builds an int64 tensor from one through an `array` buffer, about nine times faster than
 torch.tensor on a list (an 8,192-token prefill stages four such lists).
@@ -160,3 +163,20 @@ class DeviceSlotTable:
     def write(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """table[rows[i], positions[i]] = slots[i]; all three int64 on the table's device."""
         self.table[rows, positions] = slots.to(torch.int32)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device. A plain copy to CUDA
+    synchronizes the stream (it would wait for the forward in flight), so it goes
+    through pinned memory, asynchronously; the caching host allocator keeps the pinned
+    block until the copy ran."""
+    if device.type != "cuda" or t.device == device:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def device_tensor(
+    values: Sequence, device: torch.device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """torch.tensor(values, dtype=dtype) on `device`, as to_device moves it."""
+    return to_device(torch.tensor(values, dtype=dtype), device)

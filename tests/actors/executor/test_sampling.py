@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from shunter.actors.executor import sampling
+from shunter.actors.executor.penalties import apply_penalties
 from shunter.actors.executor.sampling import (
     RowSampling,
-    apply_penalties,
     sample,
     token_logprobs,
     truncate_probs,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 MAX_ROWS = 0  # rows up to which the Triton kernel runs (0: never)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def argmax_ref(x: torch.Tensor) -> torch.Tensor:
@@ -22,7 +23,13 @@ def argmax_ref(x: torch.Tensor) -> torch.Tensor:
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """[B, V] logits without NaNs -> [B] int64 index of each row's first maximum."""
-    if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.shape[1] > 0:
+    if (
+        x.is_cuda
+        and x.dim() == 2
+        and 0 < x.shape[0] <= MAX_ROWS
+        and x.shape[1] > 0
+        and x.dtype in _DTYPES  # the kernel compares in float32
+    ):
         from shunter.kernels.argmax_triton import argmax_triton
 
         return argmax_triton(x)

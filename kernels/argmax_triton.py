@@ -74,6 +74,8 @@ def _num_splits(rows: int, vocab: int, device: torch.device) -> int:
 
 def argmax_triton(x: torch.Tensor, num_splits: int | None = None) -> torch.Tensor:
     """[B, V] -> [B] int64 index of each row's first maximum."""
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"argmax_triton compares in float32; {x.dtype} would lose ties")
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(
             f"argmax_triton needs [B, V] with a contiguous last axis, got {list(x.shape)}"

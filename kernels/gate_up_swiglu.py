@@ -52,6 +52,7 @@ def fused_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.dtype == x.dtype
         and tma_ready(x)
         and tma_ready(weight)
+        and (weight.shape[0] // 2 * x.element_size()) % 16 == 0  # the output's rows
     )
 
 

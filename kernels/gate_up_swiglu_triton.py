@@ -28,8 +28,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from shunter.kernels.gate_up_swiglu import tma_ready
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): a 128 x (2 x 128) tile
-# is the shape Hopper's tensor cores are fed best at by two warpgroups
-CONFIG = (128, 128, 64, 8, 8, 3)
+# for two warpgroups. With BLOCK_K 64 triton 3.6 serializes its wgmma instructions on
+# sm_90 (ptxas C7515: each waits for the last); with 128 and two stages they overlap.
+CONFIG = (128, 128, 128, 8, 8, 2)
 CONFIG_FP32 = (64, 64, 32, 8, 4, 2)  # float32 tiles take twice the shared memory
 
 
@@ -84,6 +85,8 @@ def gate_up_swiglu_triton(
     inter = weight.shape[0] // 2
     if not (tma_ready(x) and tma_ready(weight)):
         raise ValueError("gate_up_swiglu needs contiguous K rows, 16-byte aligned")
+    if (weight.shape[0] // 2 * x.element_size()) % 16:
+        raise ValueError("gate_up_swiglu needs 16-byte aligned output rows (inter)")
     y = torch.empty((m, inter), dtype=x.dtype, device=x.device)
     if m == 0 or inter == 0:
         return y

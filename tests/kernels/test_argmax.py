@@ -65,3 +65,10 @@ def test_llama3_vocabulary_on_the_gpu(monkeypatch, dtype, rows):
     x = (torch.randn(rows, 128256, device="cuda") * 4).to(dtype)
     x[0, 128255] = x[0].max() + 1  # the last column wins in row 0
     assert torch.equal(argmax(x), x.argmax(-1))
+
+
+def test_wider_dtypes_are_refused_by_the_kernel_and_go_to_torch():
+    x = torch.randn(2, 50, dtype=torch.float64).to(DEVICE)
+    with pytest.raises(ValueError, match="float32"):
+        argmax_triton(x)
+    assert torch.equal(argmax(x), x.argmax(-1))

@@ -57,6 +57,8 @@ def test_fused_gemm_reads_strided_rows_and_refuses_bad_operands():
         gate_up_swiglu_triton(x, w[:-1])  # odd number of weight rows
     with pytest.raises(ValueError, match="gate_up_swiglu"):
         gate_up_swiglu_triton(x.double(), w)
+    with pytest.raises(ValueError, match="output rows"):
+        gate_up_swiglu_triton(x, w[:6])  # inter 3: 12-byte output rows
 
 
 def test_dispatch_is_the_two_launch_path_unless_switched_on(monkeypatch):

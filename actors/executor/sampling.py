@@ -61,9 +61,10 @@ from typing import NamedTuple
 import torch
 
 from shunter.actors.executor.penalties import apply_penalties, needs_processing
-from shunter.actors.executor.slot_table import device_tensor, to_device
+from shunter.actors.executor.slot_table import device_tensor
 from shunter.bus.messages.request import SamplingParams
 from shunter.kernels.argmax import argmax
+from shunter.kernels.page_layout import to_device
 
 # Temperatures at or below this are greedy (a division by ~0 would overflow anyway).
 GREEDY_TEMPERATURE = 1e-5
@@ -174,10 +175,12 @@ def truncate_probs(
     probs: [B, V] float32, each row sorted descending when top_p is given (the sorted
     path), in vocabulary order otherwise. top_k: [B] int64 (V for off). top_p: [B] or
     None. min_p: [B]. All on probs' device. kmax (the largest k below V, 0 if none) and
-    use_min_p (any min_p > 0) are read from the tensors when not given; a caller that
-    knows them on the host passes them, so nothing is read back from the device.
+    use_min_p (any min_p > 0) are read from the tensors when not given, which only the
+    CPU may do (on a GPU that read would wait for the device: pass them).
     Returns a new [B, V] tensor."""
     num_vocab = probs.shape[-1]
+    if probs.is_cuda and (kmax is None or use_min_p is None):
+        raise ValueError("truncate_probs on a GPU needs kmax and use_min_p from the host")
     if kmax is None:
         limited = top_k[top_k < num_vocab]
         kmax = int(limited.max()) if limited.numel() else 0
@@ -200,6 +203,12 @@ def truncate_probs(
         top = probs[:, :1] if top_p is not None else probs.amax(-1, keepdim=True)
         out = out.masked_fill(probs < top * min_p.unsqueeze(1), 0.0)
     return out
+
+
+def _sort_desc(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows sorted by probability descending, equal ones by token id ascending: one
+    order on every device and both top-p paths, so ties (common in bf16) draw alike."""
+    return probs.sort(dim=-1, descending=True, stable=True)
 
 
 def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -230,18 +239,24 @@ def _sample_group(x: torch.Tensor, rows: Sequence[RowSampling], sorted_path: boo
         return _draw(kept, uniforms)
     top_p = device_tensor([r.params.top_p for r in rows], dev, dt)
     if dev.type not in NARROW_NUCLEUS_DEVICES:  # one sort, nothing read back
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        sorted_probs, order = _sort_desc(probs)
         kept = truncate_probs(sorted_probs, top_k, top_p, min_p, kmax=kmax, use_min_p=use_min_p)
         return order.gather(1, _draw(kept, uniforms).unsqueeze(1)).squeeze(1)
     # Sorting the whole vocabulary is the cost of top-p on the CPU. When the
-    # NUCLEUS_CANDIDATES most likely tokens already hold more than top_p (plus a margin
-    # for rounding), the nucleus lies inside them, so sorting them alone (topk) gives
-    # the same kept set in the same order; the other rows sort everything. Which way a
-    # row goes depends only on its own distribution, so batch composition still does
-    # not change its token. Choosing the way reads one flag per row back to the host.
+    # NUCLEUS_CANDIDATES most likely tokens, counting only those above the smallest
+    # candidate's probability (ties there may reach past the candidates), already hold
+    # more than top_p (plus a margin for rounding), the nucleus lies inside them, so
+    # ordering them alone gives the same kept set in the same order; the other rows sort
+    # everything. Which way a row goes depends only on its own distribution, so batch
+    # composition still does not change its token. Choosing the way reads one flag per
+    # row back to the host.
     num_cand = min(num_vocab, NUCLEUS_CANDIDATES)
-    cand, cand_order = probs.topk(num_cand, dim=-1)  # [G, C] descending
-    narrow = (cand.sum(-1) > top_p + 1e-4).tolist()  # [G] bool
+    _, picked = probs.topk(num_cand, dim=-1)  # [G, C] ties in no set order
+    picked = picked.sort(dim=-1).values  # the canonical order: ids ascending, then
+    cand, perm = _sort_desc(probs.gather(1, picked))  # probabilities descending
+    cand_order = picked.gather(1, perm)
+    above = cand.masked_fill(cand <= cand[:, -1:], 0.0).sum(-1)
+    narrow = (above > top_p + 1e-4).tolist()  # [G] bool
     tokens = torch.empty(len(rows), dtype=torch.int64, device=dev)
     for is_narrow in (True, False):
         sel_l = [i for i, n in enumerate(narrow) if n == is_narrow]
@@ -251,7 +266,7 @@ def _sample_group(x: torch.Tensor, rows: Sequence[RowSampling], sorted_path: boo
         if is_narrow:
             sorted_probs, order = cand[sel], cand_order[sel]
         else:
-            sorted_probs, order = probs[sel].sort(dim=-1, descending=True)
+            sorted_probs, order = _sort_desc(probs[sel])
         kmax_s = max((ks[i] for i in sel_l if ks[i] < num_vocab), default=0)
         kept = truncate_probs(sorted_probs, top_k[sel], top_p[sel], min_p[sel],
                               kmax=kmax_s, use_min_p=use_min_p)  # fmt: skip
@@ -282,8 +297,8 @@ class DeviceSample(NamedTuple):
 
 def sample_on_device(logits: torch.Tensor, rows: Sequence[RowSampling]) -> DeviceSample:
     """Stages 1-7 on logits [B, V] float32 (one row per entry of `rows`), launched on
-    logits' device; reads nothing back unless a row takes the top-p path. Does not
-    modify `logits`; advances the generators of the rows that draw."""
+    logits' device; reads nothing back on a GPU (on the CPU, one flag per top-p row).
+    Does not modify `logits`; advances the generators of the rows that draw."""
     assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
     dev = logits.device
     x = logits

@@ -313,3 +313,22 @@ def test_sampled_tokens_match_a_plain_reference_sampler(monkeypatch, narrow_devi
                 want = t
                 break
         assert got[i] == want, (i, p)
+
+
+def test_both_top_p_ways_draw_the_same_tokens_on_tied_probabilities(monkeypatch):
+    """bf16 logits tie often. Candidates-first (the CPU) and sort-everything (a GPU)
+    order ties alike (token id ascending), so a row's draw does not depend on the way."""
+    num_vocab = 8192  # > NUCLEUS_CANDIDATES: peaked rows go narrow, flat ones sort all
+    g = torch.Generator().manual_seed(5)
+    scale = torch.where(torch.arange(200) % 2 == 0, 8.0, 0.5)[:, None]
+    x = (torch.randn(200, num_vocab, generator=g) * scale).bfloat16().float()
+    params = [dict(temperature=1.0, top_p=0.9), dict(temperature=0.8, top_p=0.7, top_k=50),
+              dict(temperature=1.3, top_p=0.95, min_p=0.001)]  # fmt: skip
+    got = {}
+    for way in (("cpu",), ()):
+        monkeypatch.setattr(sampling, "NARROW_NUCLEUS_DEVICES", way)
+        rows = [_row(seed=50 + i, **params[i % 3]) for i in range(200)]
+        got[way] = sample(x, rows).token_ids
+    assert got[("cpu",)] == got[()]
+    # and ties were there to be ordered: many rows hold equal probabilities
+    assert sum(int(r.unique().numel() < r.numel()) for r in x) > 100

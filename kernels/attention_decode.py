@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shunter.kernels.page_layout import to_device
+
 
 @dataclass(frozen=True)
 class DecodePlan:
@@ -80,9 +82,9 @@ def plan_decode(
         build_mask = torch.device(device).type != "cuda"
     needed = build_mask and (sliding_window is not None or int(lens.min()) != idx.shape[1])
     return DecodePlan(
-        kv_indices=idx.to(device),
+        kv_indices=to_device(idx, device),
         mask=mask[:, None, None, :].to(device) if needed else None,
-        kv_lens=lens.to(device),
+        kv_lens=to_device(lens, device),
         sliding_window=sliding_window,
     )
 

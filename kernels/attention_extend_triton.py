@@ -24,6 +24,7 @@ import triton.language as tl
 
 from shunter.kernels.attention_decode_triton import INTERPRETED, fix_interpreter_loop_bounds
 from shunter.kernels.attention_extend import ExtendPlan
+from shunter.kernels.page_layout import to_device
 
 if INTERPRETED:
     fix_interpreter_loop_bounds()
@@ -159,10 +160,10 @@ class ExtendMeta:
 
 def extend_meta(plan: ExtendPlan, device: torch.device) -> ExtendMeta:
     table = torch.nn.utils.rnn.pad_sequence(
-        [t.to(device) for t in plan.slot_tables], batch_first=True, padding_value=0
+        [to_device(t, device) for t in plan.slot_tables], batch_first=True, padding_value=0
     )
     host = torch.tensor([plan.q_starts, plan.num_new_tokens, plan.seq_lens], dtype=torch.int32)
-    dev = host.to(device)
+    dev = to_device(host, device)
     return ExtendMeta(table.contiguous(), dev[0], dev[1], dev[2], max(plan.num_new_tokens))
 
 

@@ -5,7 +5,9 @@ An entry with kv_len tokens owns ceil(kv_len / page_size) pages; its page ids ar
 the first slots of those pages in the executor's slot table, divided by page_size.
 `kv_page_layout` and `extend_qo_indptr` are host int32 arrays built from lengths;
 `kv_page_indices` gathers the page ids on the table's device with ops whose output
-sizes are known on the host, so nothing waits for the device.
+sizes are known on the host, so nothing waits for the device. `to_device` is how a
+plan's host tensors reach a GPU: a plain copy from pageable memory waits for the work
+queued before it (the forward in flight), so it goes through pinned memory.
 """
 
 from __future__ import annotations
@@ -72,3 +74,13 @@ def kv_page_indices(
     col = (torch.arange(nnz, dtype=torch.int64, device=table.device) - per_page[:, 1]) * page_size
     slots = table[per_page[:, 0], col]  # [nnz] first slot of each page
     return torch.div(slots, page_size, rounding_mode="floor").to(torch.int32)
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device: through pinned memory
+    and an asynchronous copy on CUDA (the caching host allocator keeps the pinned
+    block until the copy ran), a plain `.to` elsewhere."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type == "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -78,8 +78,9 @@ from shunter.actors.executor.sampling import (
     sample_on_device,
     sample_results,
 )
-from shunter.actors.executor.slot_table import device_tensor, long_tensor, to_device
+from shunter.actors.executor.slot_table import device_tensor, long_tensor
 from shunter.bus.messages import ForwardBatch, Msg, StepResult, TopLogprob
+from shunter.kernels.page_layout import to_device
 
 Inbox = ForwardBatch
 

@@ -69,8 +69,9 @@ def apply_penalties(x: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tenso
             device_tensor(bias_v, dev, x.dtype),
             accumulate=True,
         )
-    if mask_r:
-        x[device_tensor(mask_r, dev), device_tensor(mask_t, dev)] = -math.inf
+    if mask_r:  # the value as a device tensor: a Python scalar would be a blocking copy
+        x.index_put_((device_tensor(mask_r, dev), device_tensor(mask_t, dev)),
+                     x.new_full((), -math.inf))  # fmt: skip
     return x
 
 

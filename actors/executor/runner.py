@@ -47,6 +47,7 @@ from shunter.actors.executor.models.attention import (
 from shunter.actors.executor.models.config import ModelConfig
 from shunter.actors.executor.models.llama import LlamaForCausalLM
 from shunter.actors.executor.slot_table import DeviceSlotTable, PinnedStager, long_tensor
+from shunter.kernels.page_layout import to_device
 
 log = structlog.get_logger(actor="executor")
 
@@ -264,13 +265,13 @@ class ModelRunner:
             assert graphs is not None
             logits = graphs.run(inp, out_slots)
             if inp.logits_indices.shape[0] != num_tokens:
-                logits = logits.index_select(0, inp.logits_indices.to(self.device))
+                logits = logits.index_select(0, to_device(inp.logits_indices, self.device))
             self._num_logits += logits.shape[0]
             return logits
         ctx, ids, positions = self._eager_context(inp, out_slots, table)
         hidden = self.model(ids, positions, ctx, max_pos=max(inp.seq_lens))  # [T, hidden]
         if inp.logits_indices.shape[0] != hidden.shape[0]:
-            hidden = hidden.index_select(0, inp.logits_indices.to(self.device))
+            hidden = hidden.index_select(0, to_device(inp.logits_indices, self.device))
         logits = self.model.compute_logits(hidden)  # [num_logits, vocab] float32
         self._num_logits += logits.shape[0]
         return logits
@@ -302,9 +303,10 @@ class ModelRunner:
         dev = self.stager.stage(parts)
         positions, slots = dev[:num_tokens], dev[num_tokens : 2 * num_tokens]
         at = 2 * num_tokens
-        ids = inp.input_ids.to(self.device)
         if ids_host:
             ids, at = dev[at : at + num_tokens], at + num_tokens
+        else:
+            ids = inp.input_ids.to(self.device)
         sw = self.config.sliding_window
         kv = (self.kv_pool.k_buffers, self.kv_pool.v_buffers)
         if use_fi:

@@ -18,8 +18,8 @@ buffers; a buffer is reused only after the event recorded behind its last copy h
 completed, so the host may run a step or two ahead of the device without overwriting
 data the device has not read yet.
 
-`to_device` / `device_tensor` move one small host tensor (or list) the same way,
-through a pinned copy, for the step's index vectors outside the stager.
+`device_tensor` (and kernels/page_layout.py's `to_device`) move one small host list
+(or tensor) the same way, through a pinned copy, for index vectors outside the stager.
 
 Host vectors come from Python lists of ints (a ForwardBatch's fields): `long_tensor`
 builds an int64 tensor from one through an `array` buffer, about nine times faster than
@@ -37,6 +37,8 @@ from array import array
 from collections.abc import Sequence
 
 import torch
+
+from shunter.kernels.page_layout import to_device
 
 RING = 8  # staging buffers; the host runs at most this many copies ahead of the device
 
@@ -163,16 +165,6 @@ class DeviceSlotTable:
     def write(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """table[rows[i], positions[i]] = slots[i]; all three int64 on the table's device."""
         self.table[rows, positions] = slots.to(torch.int32)
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without waiting for the device. A plain copy to CUDA
-    synchronizes the stream (it would wait for the forward in flight), so it goes
-    through pinned memory, asynchronously; the caching host allocator keeps the pinned
-    block until the copy ran."""
-    if device.type != "cuda" or t.device == device:
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def device_tensor(

@@ -34,6 +34,7 @@ from shunter.kernels.attention_decode import (
 )
 from shunter.kernels.attention_extend import ExtendPlan, attention_extend, plan_extend
 from shunter.kernels.kv_store import kv_store
+from shunter.kernels.page_layout import to_device
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,15 @@ def build_attention_context(
     """out_slots: the new tokens' slots already on the device (else gathered here);
     row_decode: read the decode entries' KV through a device row table."""
     if out_slots is None:
-        out_slots = torch.cat(
-            [t[s - n : s] for t, n, s in zip(slot_tables, num_new_tokens, seq_lens, strict=True)]
-        ).to(device)
+        out_slots = to_device(
+            torch.cat(
+                [
+                    t[s - n : s]
+                    for t, n, s in zip(slot_tables, num_new_tokens, seq_lens, strict=True)
+                ]
+            ),
+            device,
+        )
     dec = [i for i, n in enumerate(num_new_tokens) if n == 1]
     ext = [i for i, n in enumerate(num_new_tokens) if n != 1]
     decode_plan = extend_plan = None
@@ -98,7 +105,7 @@ def build_attention_context(
         extend_plan = plan_extend(
             [num_new_tokens[i] for i in ext],
             [seq_lens[i] for i in ext],
-            [slot_tables[i][: seq_lens[i]].to(device) for i in ext],
+            [to_device(slot_tables[i][: seq_lens[i]], device) for i in ext],
             device=device,
             sliding_window=sliding_window,
         )
@@ -106,10 +113,11 @@ def build_attention_context(
         starts = [0]
         for n in num_new_tokens:
             starts.append(starts[-1] + n)
-        decode_rows = torch.tensor([starts[i] for i in dec], dtype=torch.int64, device=device)
-        extend_rows = torch.cat(
-            [torch.arange(starts[i], starts[i + 1], dtype=torch.int64) for i in ext]
-        ).to(device)
+        decode_rows = to_device(torch.tensor([starts[i] for i in dec], dtype=torch.int64), device)
+        extend_rows = to_device(
+            torch.cat([torch.arange(starts[i], starts[i + 1], dtype=torch.int64) for i in ext]),
+            device,
+        )
     return AttentionContext(
         k_buffers, v_buffers, out_slots, decode_plan, extend_plan, decode_rows, extend_rows
     )

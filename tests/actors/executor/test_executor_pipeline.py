@@ -275,3 +275,31 @@ def test_submitting_decode_steps_does_not_synchronize_the_device(cuda_config, pa
     results += core.flush()
     assert [r.error for r in results] == [None] * 6
     assert all(r.rows == list(rows) for r in results)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_mixed_prefill_and_decode_steps_do_not_synchronize_the_device(config, backend):
+    """Steps that mix new prompts (eager: extend plans, logits of chosen rows) with
+    decodes, and prompt logprobs: every host vector reaches the device by an
+    asynchronous pinned copy, so the host runs ahead of the forward in flight."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cfg = msgspec.structs.replace(config, device="cuda", dtype="float32",
+                                  attention_backend=backend)  # fmt: skip
+    core, b = build_core(cfg), Builder()
+    warm = [(r, f"w{r}", TOP_P, r) for r in range(2)]
+    results = [core.step(b.batch([(r, [5 + r, 6, 7]) for r in range(2)], opens=warm))]
+    results += core.submit(b.batch([(0, [LS]), (1, [LS])]))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for k in range(3):  # each step: the running rows decode, a new row prefills
+            row = 2 + k
+            entries = [(r, [LS]) for r in range(row)] + [(row, [9, 8, 7, 6, 5][: 2 + k])]
+            opens = [(row, f"n{row}", GREEDY_LP if k == 1 else SEEDED_PEN, row)]
+            results += core.submit(b.batch(entries, opens=opens))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    results += core.flush()
+    assert [r.error for r in results] == [None] * len(results)

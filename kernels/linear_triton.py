@@ -7,8 +7,11 @@ Theory of operation: at a handful of rows a projection only streams its weight, 
 the kernel is a bandwidth kernel, not a tensor-core one. Programs split N into blocks
 of BLOCK_N weight rows; each walks the K axis in BLOCK_K steps, loading a
 [BLOCK_N, BLOCK_K] tile of W (contiguous along K, so every load is coalesced) and
-multiplying it elementwise into a float32 [BLOCK_M, BLOCK_N, BLOCK_K] accumulator
-that is summed over K once at the end (no per-step reductions). The tile of step
+multiplying it elementwise into float32 accumulators summed over K once at the end
+(no per-step reductions). A plain projection keeps one [BLOCK_N, BLOCK_K] accumulator
+per row (up to four) in W's register layout and reads x straight into that layout, so
+its loop moves nothing through shared memory; with a prologue the operand is computed
+as [BLOCK_M, BLOCK_K] and meets W in a [BLOCK_M, BLOCK_N, BLOCK_K] accumulator. The tile of step
 i + 1 is requested before step i's multiply, and the first tile before the kernel
 waits on the one launched ahead of it (programmatic dependent launch: the weights do
 not depend on it), so a program always has a tile in flight and the weight stream of
@@ -40,7 +43,58 @@ from shunter.kernels.pdl import use_pdl
 MAX_ROWS = 4  # rows per program, all of a decode step's: W is read once
 
 PLAIN, SILU_MUL, RMSNORM, ADD_RMSNORM = 0, 1, 2, 3  # the prologue
-_SILU_MUL, _RMSNORM, _ADD_RMSNORM = tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)  # in kernels
+_PLAIN, _SILU_MUL, _RMSNORM, _ADD_RMSNORM = (tl.constexpr(0), tl.constexpr(1), tl.constexpr(2),
+                                              tl.constexpr(3))  # in kernels  # fmt: skip
+
+
+@triton.jit
+def _plain_row(y_ptr, b_ptr, acc, rn, n_ok, row, M, y_row_stride, HAS_BIAS: tl.constexpr):
+    y = tl.sum(acc, axis=1)  # [BLOCK_N]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(
+        y_ptr + row * y_row_stride + rn,
+        y.to(y_ptr.dtype.element_ty),
+        mask=n_ok & (rn * 0 + row < M),
+    )
+
+
+@triton.jit
+def _gemv_plain(x_ptr, w, w_tile, b_ptr, y_ptr, rn, rk, n_ok, M, K, x_row_stride, y_row_stride,
+                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):  # fmt: skip
+    """The main loop without a prologue. x is read straight into W's tile layout (every
+    program row of a column reads the same address, served by L1), so the loop keeps
+    16-byte weight loads and moves nothing through shared memory; one accumulator per
+    row (up to four) keeps the registers at what one row needs."""
+    zero = (rn * 0)[:, None]
+    kz = (rk * 0)[None, :]  # row masks as tensors (a scalar bool is no mask)
+    acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        nxt = k0 + BLOCK_K + rk
+        w_next = tl.load(w_tile + k0 + BLOCK_K, mask=n_ok[:, None] & (nxt < K)[None, :], other=0.0)
+        wf = w.to(tl.float32)
+        xk = x_ptr + k0 + zero + rk[None, :]
+        k_ok = ((k0 + rk) < K)[None, :]
+        acc0 += wf * tl.load(xk, mask=k_ok, other=0.0).to(tl.float32)
+        if BLOCK_M > 1:
+            x1 = tl.load(xk + x_row_stride, mask=k_ok & (kz + 1 < M), other=0.0)
+            acc1 += wf * x1.to(tl.float32)
+        if BLOCK_M > 2:
+            x2 = tl.load(xk + 2 * x_row_stride, mask=k_ok & (kz + 2 < M), other=0.0)
+            x3 = tl.load(xk + 3 * x_row_stride, mask=k_ok & (kz + 3 < M), other=0.0)
+            acc2 += wf * x2.to(tl.float32)
+            acc3 += wf * x3.to(tl.float32)
+        w = w_next
+    _plain_row(y_ptr, b_ptr, acc0, rn, n_ok, 0, M, y_row_stride, HAS_BIAS)
+    if BLOCK_M > 1:
+        _plain_row(y_ptr, b_ptr, acc1, rn, n_ok, 1, M, y_row_stride, HAS_BIAS)
+    if BLOCK_M > 2:
+        _plain_row(y_ptr, b_ptr, acc2, rn, n_ok, 2, M, y_row_stride, HAS_BIAS)
+        _plain_row(y_ptr, b_ptr, acc3, rn, n_ok, 3, M, y_row_stride, HAS_BIAS)
 
 
 @triton.jit
@@ -79,51 +133,55 @@ def _gemv_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    x_rows = x_ptr + rm[:, None] * x_row_stride
-    res_rows = res_ptr + rm[:, None] * res_row_stride
-    if PROLOGUE >= _RMSNORM:
-        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if PROLOGUE == _PLAIN:  # one [BLOCK_N, BLOCK_K] accumulator per row, in W's layout
+        _gemv_plain(x_ptr, w, w_tile, b_ptr, y_ptr, rn, rk, n_ok, M, K, x_row_stride,
+                    y_row_stride, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+    else:
+        x_rows = x_ptr + rm[:, None] * x_row_stride
+        res_rows = res_ptr + rm[:, None] * res_row_stride
+        if PROLOGUE >= _RMSNORM:
+            ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                xm = m_ok[:, None] & ((k0 + rk) < K)[None, :]
+                s = tl.load(x_rows + k0 + rk[None, :], mask=xm, other=0.0)
+                if PROLOGUE == _ADD_RMSNORM:
+                    r = tl.load(res_rows + k0 + rk[None, :], mask=xm, other=0.0)
+                    s = (s.to(tl.float32) + r.to(tl.float32)).to(s.dtype)
+                    if pid == 0:
+                        out_rows = res_out_ptr + rm[:, None] * res_out_row_stride
+                        tl.store(out_rows + k0 + rk[None, :], s, mask=xm)
+                sf = s.to(tl.float32)
+                ss += tl.sum(sf * sf, axis=1)
+            rstd = 1.0 / tl.sqrt(ss / K + eps)
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            xm = m_ok[:, None] & ((k0 + rk) < K)[None, :]
-            s = tl.load(x_rows + k0 + rk[None, :], mask=xm, other=0.0)
-            if PROLOGUE == _ADD_RMSNORM:
-                r = tl.load(res_rows + k0 + rk[None, :], mask=xm, other=0.0)
-                s = (s.to(tl.float32) + r.to(tl.float32)).to(s.dtype)
-                if pid == 0:
-                    out_rows = res_out_ptr + rm[:, None] * res_out_row_stride
-                    tl.store(out_rows + k0 + rk[None, :], s, mask=xm)
-            sf = s.to(tl.float32)
-            ss += tl.sum(sf * sf, axis=1)
-        rstd = 1.0 / tl.sqrt(ss / K + eps)
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + rk) < K
-        nxt = k0 + BLOCK_K + rk
-        w_next = tl.load(w_tile + k0 + BLOCK_K, mask=n_ok[:, None] & (nxt < K)[None, :], other=0.0)
-        xm = m_ok[:, None] & k_ok[None, :]
-        if PROLOGUE == _SILU_MUL:
-            g = tl.load(x_rows + k0 + rk[None, :], mask=xm, other=0.0)
-            u = tl.load(x_rows + K + k0 + rk[None, :], mask=xm, other=0.0)
-            gf = g.to(tl.float32)
-            act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
-            xv = (act * u.to(tl.float32)).to(g.dtype)
-        elif PROLOGUE >= _RMSNORM:
-            s = tl.load(x_rows + k0 + rk[None, :], mask=xm, other=0.0)
-            if PROLOGUE == _ADD_RMSNORM:
-                r = tl.load(res_rows + k0 + rk[None, :], mask=xm, other=0.0)
-                s = (s.to(tl.float32) + r.to(tl.float32)).to(s.dtype)
-            normed = (s.to(tl.float32) * rstd[:, None]).to(s.dtype).to(tl.float32)
-            nw = tl.load(norm_w_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
-            xv = (normed * nw[None, :]).to(s.dtype)
-        else:
-            xv = tl.load(x_rows + k0 + rk[None, :], mask=xm, other=0.0)
-        acc += w.to(tl.float32)[None, :, :] * xv.to(tl.float32)[:, None, :]
-        w = w_next
-    y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y_out = y_ptr + rm[:, None] * y_row_stride + rn[None, :]
-    tl.store(y_out, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+            k_ok = (k0 + rk) < K
+            nxt = k0 + BLOCK_K + rk
+            w_next = tl.load(
+                w_tile + k0 + BLOCK_K, mask=n_ok[:, None] & (nxt < K)[None, :], other=0.0
+            )
+            xm = m_ok[:, None] & k_ok[None, :]
+            if PROLOGUE == _SILU_MUL:
+                g = tl.load(x_rows + k0 + rk[None, :], mask=xm, other=0.0)
+                u = tl.load(x_rows + K + k0 + rk[None, :], mask=xm, other=0.0)
+                gf = g.to(tl.float32)
+                act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
+                xv = (act * u.to(tl.float32)).to(g.dtype)
+            else:  # (add +) RMSNorm
+                s = tl.load(x_rows + k0 + rk[None, :], mask=xm, other=0.0)
+                if PROLOGUE == _ADD_RMSNORM:
+                    r = tl.load(res_rows + k0 + rk[None, :], mask=xm, other=0.0)
+                    s = (s.to(tl.float32) + r.to(tl.float32)).to(s.dtype)
+                normed = (s.to(tl.float32) * rstd[:, None]).to(s.dtype).to(tl.float32)
+                nw = tl.load(norm_w_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+                xv = (normed * nw[None, :]).to(s.dtype)
+            acc += w.to(tl.float32)[None, :, :] * xv.to(tl.float32)[:, None, :]
+            w = w_next
+        y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y_out = y_ptr + rm[:, None] * y_row_stride + rn[None, :]
+        tl.store(y_out, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def gemv_config(n: int, k: int, prologue: int = PLAIN) -> tuple[int, int, int]:

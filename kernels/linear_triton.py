@@ -7,11 +7,11 @@ Theory of operation: at a handful of rows a projection only streams its weight, 
 the kernel is a bandwidth kernel, not a tensor-core one. Programs split N into blocks
 of BLOCK_N weight rows; each walks the K axis in BLOCK_K steps, loading a
 [BLOCK_N, BLOCK_K] tile of W (contiguous along K, so every load is coalesced) and
-multiplying it elementwise into float32 accumulators summed over K once at the end
-(no per-step reductions). A plain projection keeps one [BLOCK_N, BLOCK_K] accumulator
-per row (up to four) in W's register layout and reads x straight into that layout, so
-its loop moves nothing through shared memory; with a prologue the operand is computed
-as [BLOCK_M, BLOCK_K] and meets W in a [BLOCK_M, BLOCK_N, BLOCK_K] accumulator. The tile of step
+multiplying it elementwise into one float32 [BLOCK_N, BLOCK_K] accumulator per row
+(up to four, in W's register layout), summed over K once at the end (no per-step
+reductions). A plain x is read straight into W's layout, so that loop moves nothing
+through shared memory; a prologue's operand is computed once per row and step as a
+[BLOCK_K] vector and broadcast over the tile. The tile of step
 i + 1 is requested before step i's multiply, and the first tile before the kernel
 waits on the one launched ahead of it (programmatic dependent launch: the weights do
 not depend on it), so a program always has a tile in flight and the weight stream of
@@ -60,13 +60,50 @@ def _plain_row(y_ptr, b_ptr, acc, rn, n_ok, row, M, y_row_stride, HAS_BIAS: tl.c
 
 
 @triton.jit
-def _gemv_plain(x_ptr, w, w_tile, b_ptr, y_ptr, rn, rk, n_ok, M, K, x_row_stride, y_row_stride,
-                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr):  # fmt: skip
-    """The main loop without a prologue. x is read straight into W's tile layout (every
-    program row of a column reads the same address, served by L1), so the loop keeps
-    16-byte weight loads and moves nothing through shared memory; one accumulator per
-    row (up to four) keeps the registers at what one row needs."""
+def _operand(x_ptr, res_ptr, norm_w_ptr, row, k0, zero, kz, rk, M, K, x_row_stride,
+             res_row_stride, rstd, PROLOGUE: tl.constexpr):  # fmt: skip
+    """Row `row`'s operand over columns k0 .. k0 + BLOCK_K, in float32, shaped to
+    broadcast against W's [BLOCK_N, BLOCK_K] tile. A plain x is loaded straight into
+    W's layout (the programs' rows of a column read one address, served by L1); a
+    prologue is computed once as a [BLOCK_K] vector, rounded as its own kernel rounds."""
+    x_row = x_ptr + row * x_row_stride
+    if PROLOGUE == _PLAIN:
+        ok = ((k0 + rk) < K)[None, :] & (kz + row < M)
+        op = tl.load(x_row + k0 + zero + rk[None, :], mask=ok, other=0.0).to(tl.float32)
+    else:
+        ok = ((k0 + rk) < K) & (rk * 0 + row < M)
+        if PROLOGUE == _SILU_MUL:  # x is [M, 2K]: gate | up
+            g = tl.load(x_row + k0 + rk, mask=ok, other=0.0)
+            u = tl.load(x_row + K + k0 + rk, mask=ok, other=0.0)
+            gf = g.to(tl.float32)
+            act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
+            xv = (act * u.to(tl.float32)).to(g.dtype)
+        else:  # (add +) RMSNorm
+            s = tl.load(x_row + k0 + rk, mask=ok, other=0.0)
+            if PROLOGUE == _ADD_RMSNORM:
+                r = tl.load(res_ptr + row * res_row_stride + k0 + rk, mask=ok, other=0.0)
+                s = (s.to(tl.float32) + r.to(tl.float32)).to(s.dtype)
+            normed = (s.to(tl.float32) * rstd).to(s.dtype).to(tl.float32)
+            nw = tl.load(norm_w_ptr + k0 + rk, mask=ok, other=0.0).to(tl.float32)
+            xv = (normed * nw).to(s.dtype)
+        op = xv.to(tl.float32)[None, :]
+    return op
+
+
+@triton.jit
+def _row_rstd(rstd, rm, row):
+    """Row `row`'s entry of the [BLOCK_M] rstd vector, as a scalar."""
+    return tl.sum(tl.where(rm == row, rstd, 0.0), 0)
+
+
+@triton.jit
+def _gemv_rows(x_ptr, res_ptr, norm_w_ptr, w, w_tile, b_ptr, y_ptr, rn, rk, n_ok, M, K,
+               x_row_stride, res_row_stride, y_row_stride, r0, r1, r2, r3,
+               PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """The main loop: one [BLOCK_N, BLOCK_K] float32 accumulator per row (up to four)
+    in W's register layout, so the weight stream keeps its 16-byte loads and the
+    registers stay at what one row needs; r0..r3: the rows' rstd (RMSNorm)."""
     zero = (rn * 0)[:, None]
     kz = (rk * 0)[None, :]  # row masks as tensors (a scalar bool is no mask)
     acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -77,17 +114,16 @@ def _gemv_plain(x_ptr, w, w_tile, b_ptr, y_ptr, rn, rk, n_ok, M, K, x_row_stride
         nxt = k0 + BLOCK_K + rk
         w_next = tl.load(w_tile + k0 + BLOCK_K, mask=n_ok[:, None] & (nxt < K)[None, :], other=0.0)
         wf = w.to(tl.float32)
-        xk = x_ptr + k0 + zero + rk[None, :]
-        k_ok = ((k0 + rk) < K)[None, :]
-        acc0 += wf * tl.load(xk, mask=k_ok, other=0.0).to(tl.float32)
+        acc0 += wf * _operand(x_ptr, res_ptr, norm_w_ptr, 0, k0, zero, kz, rk, M, K,
+                              x_row_stride, res_row_stride, r0, PROLOGUE)  # fmt: skip
         if BLOCK_M > 1:
-            x1 = tl.load(xk + x_row_stride, mask=k_ok & (kz + 1 < M), other=0.0)
-            acc1 += wf * x1.to(tl.float32)
+            acc1 += wf * _operand(x_ptr, res_ptr, norm_w_ptr, 1, k0, zero, kz, rk, M, K,
+                                  x_row_stride, res_row_stride, r1, PROLOGUE)  # fmt: skip
         if BLOCK_M > 2:
-            x2 = tl.load(xk + 2 * x_row_stride, mask=k_ok & (kz + 2 < M), other=0.0)
-            x3 = tl.load(xk + 3 * x_row_stride, mask=k_ok & (kz + 3 < M), other=0.0)
-            acc2 += wf * x2.to(tl.float32)
-            acc3 += wf * x3.to(tl.float32)
+            acc2 += wf * _operand(x_ptr, res_ptr, norm_w_ptr, 2, k0, zero, kz, rk, M, K,
+                                  x_row_stride, res_row_stride, r2, PROLOGUE)  # fmt: skip
+            acc3 += wf * _operand(x_ptr, res_ptr, norm_w_ptr, 3, k0, zero, kz, rk, M, K,
+                                  x_row_stride, res_row_stride, r3, PROLOGUE)  # fmt: skip
         w = w_next
     _plain_row(y_ptr, b_ptr, acc0, rn, n_ok, 0, M, y_row_stride, HAS_BIAS)
     if BLOCK_M > 1:
@@ -133,55 +169,34 @@ def _gemv_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if PROLOGUE == _PLAIN:  # one [BLOCK_N, BLOCK_K] accumulator per row, in W's layout
-        _gemv_plain(x_ptr, w, w_tile, b_ptr, y_ptr, rn, rk, n_ok, M, K, x_row_stride,
-                    y_row_stride, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-    else:
+    if PROLOGUE >= _RMSNORM:  # each row's rstd, and program 0 writes the residual stream
         x_rows = x_ptr + rm[:, None] * x_row_stride
         res_rows = res_ptr + rm[:, None] * res_row_stride
-        if PROLOGUE >= _RMSNORM:
-            ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                xm = m_ok[:, None] & ((k0 + rk) < K)[None, :]
-                s = tl.load(x_rows + k0 + rk[None, :], mask=xm, other=0.0)
-                if PROLOGUE == _ADD_RMSNORM:
-                    r = tl.load(res_rows + k0 + rk[None, :], mask=xm, other=0.0)
-                    s = (s.to(tl.float32) + r.to(tl.float32)).to(s.dtype)
-                    if pid == 0:
-                        out_rows = res_out_ptr + rm[:, None] * res_out_row_stride
-                        tl.store(out_rows + k0 + rk[None, :], s, mask=xm)
-                sf = s.to(tl.float32)
-                ss += tl.sum(sf * sf, axis=1)
-            rstd = 1.0 / tl.sqrt(ss / K + eps)
-        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k_ok = (k0 + rk) < K
-            nxt = k0 + BLOCK_K + rk
-            w_next = tl.load(
-                w_tile + k0 + BLOCK_K, mask=n_ok[:, None] & (nxt < K)[None, :], other=0.0
-            )
-            xm = m_ok[:, None] & k_ok[None, :]
-            if PROLOGUE == _SILU_MUL:
-                g = tl.load(x_rows + k0 + rk[None, :], mask=xm, other=0.0)
-                u = tl.load(x_rows + K + k0 + rk[None, :], mask=xm, other=0.0)
-                gf = g.to(tl.float32)
-                act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
-                xv = (act * u.to(tl.float32)).to(g.dtype)
-            else:  # (add +) RMSNorm
-                s = tl.load(x_rows + k0 + rk[None, :], mask=xm, other=0.0)
-                if PROLOGUE == _ADD_RMSNORM:
-                    r = tl.load(res_rows + k0 + rk[None, :], mask=xm, other=0.0)
-                    s = (s.to(tl.float32) + r.to(tl.float32)).to(s.dtype)
-                normed = (s.to(tl.float32) * rstd[:, None]).to(s.dtype).to(tl.float32)
-                nw = tl.load(norm_w_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
-                xv = (normed * nw[None, :]).to(s.dtype)
-            acc += w.to(tl.float32)[None, :, :] * xv.to(tl.float32)[:, None, :]
-            w = w_next
-        y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
-        if HAS_BIAS:
-            y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        y_out = y_ptr + rm[:, None] * y_row_stride + rn[None, :]
-        tl.store(y_out, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+            xm = m_ok[:, None] & ((k0 + rk) < K)[None, :]
+            s = tl.load(x_rows + k0 + rk[None, :], mask=xm, other=0.0)
+            if PROLOGUE == _ADD_RMSNORM:
+                r = tl.load(res_rows + k0 + rk[None, :], mask=xm, other=0.0)
+                s = (s.to(tl.float32) + r.to(tl.float32)).to(s.dtype)
+                if pid == 0:
+                    out_rows = res_out_ptr + rm[:, None] * res_out_row_stride
+                    tl.store(out_rows + k0 + rk[None, :], s, mask=xm)
+            sf = s.to(tl.float32)
+            ss += tl.sum(sf * sf, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
+        r0 = _row_rstd(rstd, rm, 0)
+        r1 = _row_rstd(rstd, rm, 1)
+        r2 = _row_rstd(rstd, rm, 2)
+        r3 = _row_rstd(rstd, rm, 3)
+    else:
+        r0 = 1.0
+        r1 = 1.0
+        r2 = 1.0
+        r3 = 1.0
+    _gemv_rows(x_ptr, res_ptr, norm_w_ptr, w, w_tile, b_ptr, y_ptr, rn, rk, n_ok, M, K,
+               x_row_stride, res_row_stride, y_row_stride, r0, r1, r2, r3,
+               PROLOGUE, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
 
 
 def gemv_config(n: int, k: int, prologue: int = PLAIN) -> tuple[int, int, int]:

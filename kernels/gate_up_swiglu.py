@@ -43,9 +43,14 @@ def tma_ready(t: torch.Tensor) -> bool:
 
 def fused_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `gate_up_swiglu` takes the one-kernel GEMM for these operands."""
+    return x.is_cuda and fused_shapes(x, weight)
+
+
+def fused_shapes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the operands' rows, dtypes and alignment suit the one-kernel GEMM (when
+    switched on: MIN_ROWS > 0), wherever they are."""
     return (
         MIN_ROWS > 0
-        and x.is_cuda
         and x.dim() == 2
         and x.shape[0] >= MIN_ROWS
         and x.dtype in _DTYPES

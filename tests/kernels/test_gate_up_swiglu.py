@@ -68,8 +68,13 @@ def test_dispatch_is_the_two_launch_path_unless_switched_on(monkeypatch):
     want = two[:, :24] * torch.sigmoid(two[:, :24]) * two[:, 24:]
     torch.testing.assert_close(gate_up_swiglu(x, w), want)
     monkeypatch.setattr(mod, "MIN_ROWS", 4)
-    assert mod.fused_applies(x, w) == (DEVICE == "cuda" and x.dtype in mod._DTYPES)
-    assert not mod.fused_applies(x[:3], w)  # below MIN_ROWS
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert mod.fused_shapes(xb, wb)
+    assert mod.fused_applies(xb, wb) == (DEVICE == "cuda")
+    assert not mod.fused_shapes(xb[:3], wb)  # below MIN_ROWS
+    assert not mod.fused_shapes(x, w)  # float32: the two launches
+    assert not mod.fused_shapes(xb, wb[:6])  # inter 3: 6-byte output rows, no TMA
+    assert not mod.fused_shapes(xb[:, 1:17], wb[:, :16])  # x's start off 16 bytes
 
 
 @gpu

@@ -246,8 +246,9 @@ class ExecutorCore:
         tables.ensure(max(max(b.rows), max(opened, default=0)))
         for o in b.opens:  # prefix pages and their tokens' slots
             tables.open(o.row_idx, o.prefix_pages, o.num_prefix_tokens)
-        tables.append_pages([e.row_idx for e in entries], [e.base_pages for e in entries],
-                            b.num_new_pages, b.new_pages)  # fmt: skip
+        if b.new_pages:
+            tables.append_pages([e.row_idx for e in entries], [e.base_pages for e in entries],
+                                b.num_new_pages, b.new_pages)  # fmt: skip
 
         counts = long_tensor(b.num_new_tokens)  # [E]
         starts = long_tensor(b.start_pos)  # [E]

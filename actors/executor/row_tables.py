@@ -60,8 +60,6 @@ class RowTables:
     ) -> None:
         """Entry e's num_new_pages[e] pages (consecutive in new_pages) go to row rows[e]'s
         page cells base_pages[e] onwards."""
-        if not new_pages:
-            return
         k = long_tensor(num_new_pages)  # [E]
         base = long_tensor(base_pages) - (torch.cumsum(k, 0) - k)
         page_rows = torch.repeat_interleave(long_tensor(rows), k)

@@ -48,7 +48,7 @@ _PLAIN, _SILU_MUL, _RMSNORM, _ADD_RMSNORM = (tl.constexpr(0), tl.constexpr(1), t
 
 
 @triton.jit
-def _plain_row(y_ptr, b_ptr, acc, rn, n_ok, row, M, y_row_stride, HAS_BIAS: tl.constexpr):
+def _store_row(y_ptr, b_ptr, acc, rn, n_ok, row, M, y_row_stride, HAS_BIAS: tl.constexpr):
     y = tl.sum(acc, axis=1)  # [BLOCK_N]
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
@@ -125,12 +125,12 @@ def _gemv_rows(x_ptr, res_ptr, norm_w_ptr, w, w_tile, b_ptr, y_ptr, rn, rk, n_ok
             acc3 += wf * _operand(x_ptr, res_ptr, norm_w_ptr, 3, k0, zero, kz, rk, M, K,
                                   x_row_stride, res_row_stride, r3, PROLOGUE)  # fmt: skip
         w = w_next
-    _plain_row(y_ptr, b_ptr, acc0, rn, n_ok, 0, M, y_row_stride, HAS_BIAS)
+    _store_row(y_ptr, b_ptr, acc0, rn, n_ok, 0, M, y_row_stride, HAS_BIAS)
     if BLOCK_M > 1:
-        _plain_row(y_ptr, b_ptr, acc1, rn, n_ok, 1, M, y_row_stride, HAS_BIAS)
+        _store_row(y_ptr, b_ptr, acc1, rn, n_ok, 1, M, y_row_stride, HAS_BIAS)
     if BLOCK_M > 2:
-        _plain_row(y_ptr, b_ptr, acc2, rn, n_ok, 2, M, y_row_stride, HAS_BIAS)
-        _plain_row(y_ptr, b_ptr, acc3, rn, n_ok, 3, M, y_row_stride, HAS_BIAS)
+        _store_row(y_ptr, b_ptr, acc2, rn, n_ok, 2, M, y_row_stride, HAS_BIAS)
+        _store_row(y_ptr, b_ptr, acc3, rn, n_ok, 3, M, y_row_stride, HAS_BIAS)
 
 
 @triton.jit

@@ -211,6 +211,12 @@ def _sort_desc(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return probs.sort(dim=-1, descending=True, stable=True)
 
 
+def _draw_sorted(sorted_probs, order, top_k, top_p, min_p, uniforms, kmax, use_min_p):
+    """Truncate rows sorted descending (order: their token ids) and draw: [G] token ids."""
+    kept = truncate_probs(sorted_probs, top_k, top_p, min_p, kmax=kmax, use_min_p=use_min_p)
+    return order.gather(1, _draw(kept, uniforms).unsqueeze(1)).squeeze(1)
+
+
 def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse CDF: probs [B, V] (unnormalized, >= 0), uniforms [B] in [0, 1) ->
     [B] int64 column index. A zero-probability column is never chosen."""
@@ -239,9 +245,7 @@ def _sample_group(x: torch.Tensor, rows: Sequence[RowSampling], sorted_path: boo
         return _draw(kept, uniforms)
     top_p = device_tensor([r.params.top_p for r in rows], dev, dt)
     if dev.type not in NARROW_NUCLEUS_DEVICES:  # one sort, nothing read back
-        sorted_probs, order = _sort_desc(probs)
-        kept = truncate_probs(sorted_probs, top_k, top_p, min_p, kmax=kmax, use_min_p=use_min_p)
-        return order.gather(1, _draw(kept, uniforms).unsqueeze(1)).squeeze(1)
+        return _draw_sorted(*_sort_desc(probs), top_k, top_p, min_p, uniforms, kmax, use_min_p)
     # Sorting the whole vocabulary is the cost of top-p on the CPU. When the
     # NUCLEUS_CANDIDATES most likely tokens, counting only those above the smallest
     # candidate's probability (ties there may reach past the candidates), already hold
@@ -268,9 +272,8 @@ def _sample_group(x: torch.Tensor, rows: Sequence[RowSampling], sorted_path: boo
         else:
             sorted_probs, order = _sort_desc(probs[sel])
         kmax_s = max((ks[i] for i in sel_l if ks[i] < num_vocab), default=0)
-        kept = truncate_probs(sorted_probs, top_k[sel], top_p[sel], min_p[sel],
-                              kmax=kmax_s, use_min_p=use_min_p)  # fmt: skip
-        tokens[sel] = order.gather(1, _draw(kept, uniforms[sel]).unsqueeze(1)).squeeze(1)
+        tokens[sel] = _draw_sorted(sorted_probs, order, top_k[sel], top_p[sel], min_p[sel],
+                                   uniforms[sel], kmax_s, use_min_p)  # fmt: skip
     return tokens
 
 

@@ -5,14 +5,15 @@ Dispatch: CUDA batches of at most `MAX_ROWS` rows go to the two-stage Triton ker
 of kernels/argmax_triton.py (imported on first use), which spreads a row over many
 programs: torch's reduction takes one row per block, so a decode step of a few rows
 over a 128k vocabulary reads its logits with a handful of multiprocessors. Others
-take torch.argmax. `MAX_ROWS` 0 means never (until the kernel is measured in a step).
+take torch.argmax. At bs=1 on an H200 the kernel takes 2 µs of a step where torch's
+took 27 µs; at 16 rows the step was no slower. `MAX_ROWS` 0 means never.
 """
 
 from __future__ import annotations
 
 import torch
 
-MAX_ROWS = 0  # rows up to which the Triton kernel runs (0: never)
+MAX_ROWS = 16  # rows up to which the Triton kernel runs (0: never)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -3,10 +3,13 @@ projection of a layer's (add +) RMSNorm output.
 
 Dispatch: a CUDA step of at most `SKINNY_MAX_ROWS` rows in bfloat16/float16 (a decode
 step at small batch, where a projection only streams its weight) goes to the GEMV
-Triton kernel of kernels/linear_triton.py (imported on first use), which also folds
-the SwiGLU, or the add + RMSNorm, into its operand load, so a decode layer's norms and
-activation cost no launches of their own; everything else is `F.linear` (cuBLAS on
-CUDA, oneDNN on the CPU) after `silu_mul` / `fused_add_rmsnorm` for the fused forms.
+Triton kernel of kernels/linear_triton.py (imported on first use); everything else is
+`F.linear` (cuBLAS on CUDA, oneDNN on the CPU), after `silu_mul` / `fused_add_rmsnorm`
+for the fused forms. On an H200 a bs=1 step of Llama-3.1-8B runs 1.02-1.04x faster
+with the GEMV on qkv, o and down (gate/up and the logits are wider than GEMV_MAX_N and
+stay on cuBLAS). The kernel can also fold the SwiGLU, or the add + RMSNorm, into its
+operand load (`FUSE_SILU`, `FUSE_NORM`), saving those launches, but every program then
+re-reads the activations and the step got slower (BENCHMARKS.md), so both are off.
 """
 
 from __future__ import annotations
@@ -17,10 +20,10 @@ import torch.nn.functional as F
 from shunter.kernels.rmsnorm import fused_add_rmsnorm
 from shunter.kernels.silu_mul import silu_mul
 
-SKINNY_MAX_ROWS = 0  # rows up to which the GEMV kernel runs (0: never)
+SKINNY_MAX_ROWS = 1  # rows up to which the GEMV kernel runs (0: never)
 GEMV_MAX_N = 8192  # widest weight (output rows) it takes; cuBLAS streams wider ones faster
-FUSE_NORM = True  # norm_linear folds the (add +) RMSNorm into the GEMV's load
-FUSE_SILU = True  # silu_mul_linear folds the SwiGLU into the GEMV's load
+FUSE_NORM = False  # norm_linear folds the (add +) RMSNorm into the GEMV's load
+FUSE_SILU = False  # silu_mul_linear folds the SwiGLU into the GEMV's load
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 
 

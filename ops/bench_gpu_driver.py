@@ -95,6 +95,17 @@ class Driver:
                 seq.append(got[r])
         return out
 
+    def _take_pages(self, n: int) -> list[int]:
+        """The next n free pages, in pop() order (a slice: an 8k-token prompt at page
+        size 1 takes 8192 of them, and the prefill's clock runs meanwhile)."""
+        free = self.free_pages
+        if n > len(free):
+            raise RuntimeError(f"bench driver: {n} pages needed, {len(free)} free")
+        cut = len(free) - n
+        pages = free[cut:][::-1]
+        del free[cut:]
+        return pages
+
     def _batch(self, entries: list[Entry]) -> ForwardBatch:
         opens, rows, nums, starts, ids, new_pages, num_new_pages = [], [], [], [], [], [], []
         for e in entries:
@@ -102,7 +113,7 @@ class Driver:
             if start == 0:
                 opens.append(RowOpen(e.row, f"bench-{e.row}", [], 0, self.params, e.row))
             need = self.pages_needed(start + len(e.input_ids)) - len(self.row_pages[e.row])
-            pages = [self.free_pages.pop() for _ in range(need)]
+            pages = self._take_pages(need)
             self.row_pages[e.row] += pages
             self.row_len[e.row] = start + len(e.input_ids)
             rows.append(e.row), nums.append(len(e.input_ids)), starts.append(start)

@@ -37,10 +37,6 @@ from shunter.kernels.attention_decode import DecodePlan
 from shunter.kernels.pdl import pdl_enter, use_pdl
 
 MIN_KEYS_PER_SPLIT = 256
-# Load each block's slot indices one block ahead, so the K/V loads of a block do not
-# wait on an index load made in the same iteration (compiled for sm_90 this double-
-# buffers K/V: shared memory 39 -> 72 KB, 4 -> 3 programs per SM). Off until measured.
-PREFETCH_SLOTS = False
 # Measured on an H200 (one entry of 131072 keys, 8 KV heads): 2 programs per SM reached
 # 54% of the copy bandwidth, 4 reached 89%, 8 and 16 fewer (79%, 55%).
 PROGRAMS_PER_SM = 4
@@ -117,7 +113,6 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -146,19 +141,10 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     kv_base = kvh.to(tl.int64) * cache_head_stride
     idx_base = idx_ptr + idx_row * idx_b_stride
-    offs0 = start + tl.arange(0, BLOCK_N)
-    if PREFETCH:  # the first block's slots, before the loop
-        slots_next = tl.load(idx_base + offs0, mask=offs0 < end, other=0)
-    else:
-        slots_next = tl.zeros([BLOCK_N], idx_ptr.dtype.element_ty)
     for n0 in range(start, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         nm = offs < end
-        if PREFETCH:  # this block's slots came a block early: K/V loads can be in flight
-            slots = slots_next.to(tl.int64)
-            slots_next = tl.load(idx_base + offs + BLOCK_N, mask=offs + BLOCK_N < end, other=0)
-        else:
-            slots = tl.load(idx_base + offs, mask=nm, other=0).to(tl.int64)
+        slots = tl.load(idx_base + offs, mask=nm, other=0).to(tl.int64)
         kv_off = slots[:, None] * cache_slot_stride + kv_base + d[None, :]  # [N, D]
         k = tl.load(k_ptr + kv_off, mask=nm[:, None] & dm[None, :], other=0.0)
         if UPCAST:
@@ -327,7 +313,6 @@ def attention_decode_triton(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         USE_PDL=pdl,
-        PREFETCH=PREFETCH_SLOTS,
         num_warps=4,
         launch_pdl=pdl,
     )

@@ -28,8 +28,6 @@ from shunter.kernels.attention_decode import attention_decode_torch, plan_decode
 from shunter.kernels.attention_decode_triton import attention_decode_triton
 from shunter.kernels.attention_extend import attention_extend_torch, plan_extend
 from shunter.kernels.attention_extend_triton import attention_extend_triton, extend_meta
-from shunter.kernels.gate_up_swiglu import gate_up_swiglu_ref
-from shunter.kernels.gate_up_swiglu_triton import gate_up_swiglu_triton
 from shunter.kernels.kv_store import kv_store_ref, kv_store_torch
 from shunter.kernels.kv_store_triton import kv_store_triton
 from shunter.kernels.rmsnorm import (
@@ -229,21 +227,8 @@ def _check_extend(
                 t_torch, copy_gbs, flops=4 * NUM_HEADS * HEAD_DIM * pairs)  # fmt: skip
 
 
-def _check_gate_up_swiglu(copy_gbs: float, t: int = 8192, config=None) -> dict:
-    """The gate/up GEMM with the SwiGLU in its epilogue against cuBLAS then silu_mul."""
-    x, w = _rand(t, HIDDEN), _rand(2 * INTER, HIDDEN) * 0.02
-    err = rel_err(gate_up_swiglu_triton(x, w, config), gate_up_swiglu_ref(x, w))
-    name = "gate_up_swiglu" + ("" if config is None else f" {config}")
-    return _row(name, f"{t}x{HIDDEN}x{2 * INTER}", err, TOL_ELEMENTWISE,
-                (x.numel() + w.numel() + t * INTER) * 2,
-                bench_ms(lambda: gate_up_swiglu_triton(x, w, config), reps=20),
-                bench_ms(lambda: silu_mul_triton(F.linear(x, w)), reps=20), copy_gbs,
-                flops=2.0 * t * HIDDEN * 2 * INTER)  # fmt: skip
-
-
 def kernel_checks(copy_gbs: float, quick: bool) -> list[dict]:
     rows = _check_norm_act(copy_gbs) + _check_rope_kv(copy_gbs)
-    rows.append(_check_gate_up_swiglu(copy_gbs))
     decode_cases = [(64, 4096, 16), (64, 4096, 1), (1, 131072, 16), (256, 1024, 16)]
     for bsz, length, page in decode_cases[: 2 if quick else None]:
         rows.append(_check_decode(copy_gbs, bsz, length, page))
@@ -253,13 +238,8 @@ def kernel_checks(copy_gbs: float, quick: bool) -> list[dict]:
 
 
 def launch_sweep(copy_gbs: float) -> list[dict]:
-    """Split counts for one long decode, tilings of the gate/up GEMM, block shapes for
-    long extends."""
+    """Split counts for one long decode, block shapes for long extends."""
     rows = [_check_decode(copy_gbs, 1, 131072, 16, n) for n in (66, 132, 264, 528)]
-    # tilings that compile without spills or serialized wgmma on sm_90 (triton 3.6)
-    for config in [(256, 64, 64, 8, 8, 3), (128, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4),
-                   (128, 64, 128, 8, 4, 3), (128, 128, 128, 16, 8, 2)]:  # fmt: skip
-        rows.append(_check_gate_up_swiglu(copy_gbs, config=config))
     for launch in [(64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3),
                    (128, 128, 8, 2), (64, 128, 4, 2), (128, 32, 4, 3)]:  # fmt: skip
         rows.append(_check_extend(copy_gbs, [4096] * 4, [4096] * 4, launch))

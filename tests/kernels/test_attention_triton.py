@@ -86,22 +86,13 @@ def _decode_expected(q, kc, vc, tables, scale, window=None):
     return torch.stack(outs)
 
 
-@pytest.fixture(params=[False, True], ids=["slots_inline", "slots_ahead"])
-def prefetch(request, monkeypatch):
-    """Both ways the split kernel reads slot indices (PREFETCH_SLOTS)."""
-    from shunter.kernels import attention_decode_triton as mod
-
-    monkeypatch.setattr(mod, "PREFETCH_SLOTS", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv", "head_dim", "lens"),
     [(9, 3, 64, [1, 70, 300, 5]), (4, 4, 7, [33]), (8, 1, 16, [17, 2, 129])],
 )
-def test_decode_matches_sdpa(prefetch, dtype, page_size, num_heads, num_kv, head_dim, lens):
+def test_decode_matches_sdpa(dtype, page_size, num_heads, num_kv, head_dim, lens):
     q, kc, vc, tables = _decode_case(num_heads, num_kv, head_dim, lens, page_size, dtype, seed=1)
     scale = head_dim**-0.5
     want = _decode_expected(q, kc, vc, tables, scale)
@@ -113,7 +104,7 @@ def test_decode_matches_sdpa(prefetch, dtype, page_size, num_heads, num_kv, head
         torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
 
 
-def test_decode_agrees_with_torch_reference_and_window(prefetch):
+def test_decode_agrees_with_torch_reference_and_window():
     q, kc, vc, tables = _decode_case(6, 2, 24, [3, 90, 200], 16, torch.float32, seed=2)
     plan = plan_decode(tables, device=DEVICE, sliding_window=40)
     out = attention_decode_triton(q, kc, vc, plan, 0.2, sliding_window=40, num_splits=2)
@@ -123,7 +114,7 @@ def test_decode_agrees_with_torch_reference_and_window(prefetch):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_decode_from_row_table_matches_padded_plan(prefetch, page_size):
+def test_decode_from_row_table_matches_padded_plan(page_size):
     """A row plan (what a captured decode step reads): entries at scattered rows of a
     wide table whose cells past each row's length hold garbage slots; one split count
     fixed for every length, as a graph replays it."""
@@ -217,7 +208,7 @@ def test_extend_launch_keeps_big_blocks_to_16_bit_heads_up_to_128():
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_decode_llama8b_heads_long_context_on_gpu(prefetch, page_size):
+def test_decode_llama8b_heads_long_context_on_gpu(page_size):
     lens = [1, 100, 4096, 32768, 777, 5000, 2, 16384]
     q, kc, vc, tables = _decode_case(32, 8, 128, lens, page_size, torch.bfloat16, seed=5)
     want = _decode_expected(q, kc, vc, tables, 128**-0.5)

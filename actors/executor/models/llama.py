@@ -6,9 +6,8 @@ qkv projection (optional bias), optional per-head q/k RMSNorm (Qwen3), rope and 
 store of the new K/V into the pool (one op without q/k norms), paged attention through
 the step's AttentionContext, output projection, fused add+RMSNorm, fused gate/up
 projection, and the down projection of SiLU(gate)*up. The norms and the activation
-are folded into the projections after them (`norm_project`, `silu_mul_linear`: one
-kernel each on the decode GEMV path of kernels/linear.py); on a long CUDA prefill the
-SwiGLU can instead be the epilogue of the gate/up GEMM (kernels/gate_up_swiglu.py).
+go through the projections after them (`norm_project`, `silu_mul_linear`), so that
+kernels/linear.py may fold them into a decode GEMV's operand load.
 Logits are computed by the runner only for the rows it needs.
 The ops (kernels/*.py) dispatch on the tensors' device: CUDA runs their Triton kernels,
 where rope rotates the q/k heads in place; everything else the torch path.
@@ -29,7 +28,6 @@ from torch import nn
 
 from shunter.actors.executor.models.attention import AttentionContext, paged_attention
 from shunter.actors.executor.models.config import ModelConfig
-from shunter.kernels.gate_up_swiglu import fused_applies, gate_up_swiglu
 from shunter.kernels.linear import linear, norm_linear, silu_mul_linear
 from shunter.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from shunter.kernels.rope import rope_cos_sin_cache, rope_gather, rope_rotate
@@ -121,16 +119,6 @@ class LlamaMLP(nn.Module):
             return silu_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
         return self.down_proj(silu_mul(gate_up))
 
-    def fuses_swiglu(self, x: torch.Tensor) -> bool:
-        """Whether a step of these activations takes the gate/up GEMM with the SwiGLU
-        in its epilogue (kernels/gate_up_swiglu.py: long prefills on CUDA)."""
-        gu = self.gate_up_proj
-        return type(gu) is nn.Linear and gu.bias is None and fused_applies(x, gu.weight)
-
-    def forward_swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden], the normed activations (when `fuses_swiglu`)."""
-        return project(self.down_proj, gate_up_swiglu(x, self.gate_up_proj.weight))
-
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
@@ -151,9 +139,6 @@ class LlamaDecoderLayer(nn.Module):
         qkv, residual = norm_project(attn.qkv_proj, self.input_layernorm, x, residual)
         h = attn(qkv, rope, ctx)
         norm = self.post_attention_layernorm
-        if mlp.fuses_swiglu(h):
-            x, residual = fused_add_rmsnorm(h, residual, norm.weight, norm.eps)
-            return mlp.forward_swiglu(x), residual
         gate_up, residual = norm_project(mlp.gate_up_proj, norm, h, residual)
         return mlp(gate_up), residual
 

@@ -7,7 +7,10 @@ total memory is the budget of everything static (weights, KV pool, slot table, g
 buffers), so the pool gets what is free after loading minus the (1 - fraction) share
 kept for activations, minus the slot table and an estimate of what the decode graphs
 hold. The runner then captures its decode graphs (a progress bar) unless
-`disable_cuda_graph`. On a CPU the pool is sized from host memory (kv_pool.py).
+`disable_cuda_graph`, and the core runs the warm-up steps (warmup.py), so that the
+attention kernels flashinfer compiles on first use are built before the executor is
+ready rather than inside a request's step. On a CPU the pool is sized from host
+memory (kv_pool.py) and nothing needs warming.
 
 Invariants: blocking (seconds); the pool is never sized below one page (ValueError
 from KVPool.from_budget says by how much the budget fell short).
@@ -27,6 +30,7 @@ from shunter.actors.executor.kv_pool import KVPool
 from shunter.actors.executor.loader import load_model
 from shunter.actors.executor.models.config import ModelConfig
 from shunter.actors.executor.runner import ModelRunner
+from shunter.actors.executor.warmup import warm_up
 
 log = structlog.get_logger(actor="executor")
 
@@ -141,8 +145,12 @@ def build_core(config: ExecutorConfig) -> ExecutorCore:
         max_context_len=max_context_len,
         max_num_rows=config.max_num_rows,
     )
+    t2 = time.perf_counter()
+    if on_cuda:  # kernels built on first use are built now, not in a request's step
+        log.info("warming up the attention paths", backend=runner.backend)
+        warm_up(core)
     log.info("executor loaded", actor_id=config.actor_id, model=mcfg.name, dtype=str(dtype),
              device=str(device), backend=runner.backend, num_pages=pool.num_pages,
-             page_size=pool.page_size, cuda_graph_max_bs=max_bs,
-             load_s=round(t1 - t0, 2), capture_s=round(time.perf_counter() - t1, 2))  # fmt: skip
+             page_size=pool.page_size, cuda_graph_max_bs=max_bs, load_s=round(t1 - t0, 2),
+             capture_s=round(t2 - t1, 2), warmup_s=round(time.perf_counter() - t2, 2))  # fmt: skip
     return core

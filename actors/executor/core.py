@@ -205,6 +205,12 @@ class ExecutorCore:
             last_error=self._last_error,
         )
 
+    def reset_statistics(self) -> None:
+        """Zero the counters (after warm-up steps, which are not the server's)."""
+        self._num_steps = self._num_failed = self._num_tokens = self._num_sampled = 0
+        self._num_unknown_closes = 0
+        self._last_error = None
+
     def open_rows(self) -> dict[int, tuple[int, int]]:
         """row -> (num_tokens, num_pages), for tests and debugging."""
         return {i: (r.num_tokens, r.num_pages) for i, r in self._rows.items()}

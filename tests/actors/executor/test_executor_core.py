@@ -12,6 +12,7 @@ import pytest
 from shunter.actors.executor.core import ExecutorCore
 from shunter.actors.executor.kv_pool import KVPool
 from shunter.actors.executor.runner import ModelRunner
+from shunter.actors.executor.warmup import warm_up
 from shunter.bus.messages import LAST_SAMPLED, ForwardBatch, RowOpen, SamplingParams, StepResult
 
 REFERENCE = json.loads(
@@ -107,6 +108,22 @@ def test_greedy_matches_reference_and_eos(model):
     assert st.num_steps == len(ref["output_ids"]) and st.num_failed_steps == 0
     assert st.num_sampled == len(ref["output_ids"]) and st.num_rows == 1
     assert st.num_tokens_computed == len(ref["input_ids"]) + len(ref["output_ids"]) - 1
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_warm_up_leaves_the_core_as_new(model, page_size):
+    """After the warm-up steps: no open row, zeroed counters, and the same greedy
+    tokens as a fresh core, on the very pages the warm-up wrote."""
+    warmed = make_core(model, page_size=page_size)
+    assert warm_up(warmed) == 5
+    assert warmed.open_rows() == {}
+    st = warmed.statistics()
+    assert (st.num_steps, st.num_tokens_computed, st.num_sampled, st.num_rows) == (0, 0, 0, 0)
+    prompts = [(0, PROMPTS["capital"]["input_ids"]), (1, PROMPTS["capital"]["input_ids"][:5])]
+    fresh = generate(Driver(make_core(model, page_size=page_size)), prompts, 6)
+    assert generate(Driver(warmed), prompts, 6) == fresh
+    with pytest.raises(RuntimeError, match="no open row"):
+        warm_up(warmed)  # rows 0 and 1 are open now
 
 
 @pytest.mark.heavy

@@ -108,6 +108,8 @@ def no_effect_notes(a: ServerArgs) -> list[str]:
     if a.device == "cpu" and (a.cuda_graph_max_bs is not None or a.disable_cuda_graph):
         notes.append("--cuda-graph-max-bs / --disable-cuda-graph: CUDA graphs exist only "
                      "on a CUDA device")  # fmt: skip
+    if a.device == "cpu" and a.skip_server_warmup:
+        notes.append("--skip-server-warmup: only a CUDA executor warms up")
     return notes
 
 
@@ -172,6 +174,7 @@ def build_config(spec: ActorSpec, a: ServerArgs, ready: Mapping[str, Ready], see
                 attention_backend=a.attention_backend, cuda_graph_max_bs=a.cuda_graph_max_bs,
                 decode_attention_backend=a.decode_attention_backend,
                 disable_cuda_graph=a.disable_cuda_graph, load_progress=console_logs(a),
+                skip_server_warmup=a.skip_server_warmup,
             )  # fmt: skip
         case "tokenizer":
             from shunter.actors.tokenizer.config import TokenizerConfig

@@ -85,6 +85,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     page_size: int = 1
     cuda_graph_max_bs: int | None = None
     disable_cuda_graph: bool = False
+    skip_server_warmup: bool = False
     attention_backend: str = "auto"
     decode_attention_backend: str = "auto"
     """Kernels of all-decode steps; auto: triton up to 256 entries under flashinfer (faster)."""
@@ -163,6 +164,8 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("page_size", ("--page-size",), "memory", "tokens per KV page"),
     ("cuda_graph_max_bs", ("--cuda-graph-max-bs",), "memory", "largest CUDA-graph batch"),
     ("disable_cuda_graph", ("--disable-cuda-graph",), "memory", "run decode without CUDA graphs"),
+    ("skip_server_warmup", ("--skip-server-warmup",), "memory",
+     "no warm-up steps before ready (kernels built on first use then stall a request)"),
     ("attention_backend", ("--attention-backend",), "memory", "attention kernels"),
     ("decode_attention_backend", ("--decode-attention-backend",), "memory",
      "decode attention kernels (auto: triton for decode batches up to 256 under flashinfer)"),

@@ -7,9 +7,9 @@ total memory is the budget of everything static (weights, KV pool, slot table, g
 buffers), so the pool gets what is free after loading minus the (1 - fraction) share
 kept for activations, minus the slot table and an estimate of what the decode graphs
 hold. The runner then captures its decode graphs (a progress bar) unless
-`disable_cuda_graph`, and the core runs the warm-up steps (warmup.py), so that the
-attention kernels flashinfer compiles on first use are built before the executor is
-ready rather than inside a request's step. On a CPU the pool is sized from host
+`disable_cuda_graph`, and the core runs the warm-up steps (warmup.py) unless
+`skip_server_warmup`, so that the attention kernels flashinfer compiles on first use
+are built before the executor is ready rather than inside a request's step. On a CPU the pool is sized from host
 memory (kv_pool.py) and nothing needs warming.
 
 Invariants: blocking (seconds); the pool is never sized below one page (ValueError
@@ -146,7 +146,7 @@ def build_core(config: ExecutorConfig) -> ExecutorCore:
         max_num_rows=config.max_num_rows,
     )
     t2 = time.perf_counter()
-    if on_cuda:  # kernels built on first use are built now, not in a request's step
+    if on_cuda and not config.skip_server_warmup:  # first-use builds now, not in a request
         log.info("warming up the attention paths", backend=runner.backend)
         warm_up(core)
     log.info("executor loaded", actor_id=config.actor_id, model=mcfg.name, dtype=str(dtype),

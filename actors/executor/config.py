@@ -61,6 +61,9 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
     (capped by max_num_rows). Larger decode batches and every prefill run eagerly."""
     disable_cuda_graph: bool = False
     """Run every step eagerly on CUDA (no graph capture)."""
+    skip_server_warmup: bool = False
+    """On CUDA, skip the warm-up steps (warmup.py) that build the attention kernels
+    compiled on first use before the executor is ready."""
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

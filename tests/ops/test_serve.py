@@ -94,11 +94,13 @@ def test_configs_follow_the_server_args_and_the_executor_ready():
                                                                                   False)  # fmt: skip
     assert ex.decode_attention_backend == "auto"
     gpu = parse_server_args(["--attention-backend", "triton", "--cuda-graph-max-bs", "48",
-                             "--disable-cuda-graph", "--decode-attention-backend", "triton"])  # fmt: skip
+                             "--disable-cuda-graph", "--decode-attention-backend", "triton",
+                             "--skip-server-warmup"])  # fmt: skip
     exg = build_config(specs["executor"], gpu, {}, seed=5)
     assert (exg.attention_backend, exg.cuda_graph_max_bs, exg.disable_cuda_graph) == ("triton", 48,
                                                                                   True)  # fmt: skip
     assert exg.decode_attention_backend == "triton"
+    assert exg.skip_server_warmup and not ex.skip_server_warmup
     assert (ex.max_total_tokens, ex.dtype, ex.page_size, ex.actor_id) == (
         4096,
         "float32",
@@ -205,3 +207,5 @@ def test_device_checks_and_no_effect_notes(capsys):
     assert no_effect_notes(ServerArgs(attention_backend="torch", disable_cuda_graph=True)) == []
     notes = no_effect_notes(ServerArgs(device="cpu", cuda_graph_max_bs=8))
     assert len(notes) == 1 and "only on a CUDA device" in notes[0]
+    notes = no_effect_notes(ServerArgs(device="cpu", skip_server_warmup=True))
+    assert notes == ["--skip-server-warmup: only a CUDA executor warms up"]

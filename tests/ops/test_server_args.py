@@ -30,9 +30,9 @@ SAMPLE: dict[str, str | None] = {
     "max_prefill_tokens": "512", "chunked_prefill_size": "256", "disable_radix_cache": None,
     "disable_overlap_schedule": None, "stream_interval": "4", "max_total_tokens": "4096",
     "mem_fraction_static": "0.5", "page_size": "16", "cuda_graph_max_bs": "32",
-    "disable_cuda_graph": None, "attention_backend": "torch",
-    "decode_attention_backend": "triton", "tp_size": "1", "dp_size": "1",
-    "pp_size": "1", "log_level": "debug", "log_format": "json", "record_events": "/tmp/ev", "bus_dir": "/tmp/bus",
+    "disable_cuda_graph": None, "skip_server_warmup": None, "attention_backend": "torch",
+    "decode_attention_backend": "triton", "tp_size": "1", "dp_size": "1", "pp_size": "1",
+    "log_level": "debug", "log_format": "json", "record_events": "/tmp/ev", "bus_dir": "/tmp/bus",
     "multi_process": None, "shutdown_timeout": "5", "watchdog_timeout": "60",
     "heartbeat_interval": "0.5", "start_timeout": "30",
 }  # fmt: skip

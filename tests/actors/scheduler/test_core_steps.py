@@ -1,0 +1,195 @@
+"""Scheduler core across steps: the running batch and its books.
+
+Retraction under KV pressure, rows closed and reused, the page census, step results
+(unexpected ones, logprobs), load statistics on ticks, and overlap (two batches in
+flight). Helpers are in conftest.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from shunter.actors.scheduler.config import SchedulerConfig
+from shunter.actors.scheduler.core import SchedulerCore
+from shunter.bus.messages import (
+    LAST_SAMPLED,
+    AbortRequest,
+    FlipBegin,
+    FlipDone,
+    ForwardBatch,
+    LeaseGranted,
+    LeaseRequest,
+    Matched,
+    SamplingParams,
+    SchedulerCensus,
+    SchedulerStats,
+    SequenceReleased,
+    StepResult,
+    Tick,
+    Tokenized,
+    TopLogprob,
+)
+from tests.actors.scheduler.conftest import Feeder, admitted, matched, of, outputs
+
+# ---- retraction, rows, census ------------------------------------------------------
+
+
+def test_retraction_under_kv_pressure_frees_and_requeues():
+    f = Feeder(page_size=1, lease_lookahead_steps=1, lease_max_surplus_pages=0)
+    f.send(FlipBegin("hold", "x"))
+    f.send(matched("old", range(8), max_new=50))
+    f.send(matched("new", range(10, 26), max_new=50))
+    b = f.batch(f.send(FlipDone("hold", 0, True)))
+    b = f.batch(f.step(b))  # both decode now
+    f.grant_queue = [0]  # the next lease finds the cache exhausted
+    b = f.batch(f.step(b))
+    assert len(b.rows) == 2 and len(f.core.pool) == 0 and f.core.pool.cache_short
+    ratio = f.core.new_token_ratio
+    out = f.step(b)
+    rel = of(out, SequenceReleased)
+    # both have 3 outputs; the longer prompt ("new") goes first; "old" keeps running
+    assert [r.request_id for r in rel] == ["new"] and rel[0].reason == "retracted"
+    assert rel[0].token_ids == [*range(10, 26), 7, 7]
+    assert f.core.new_token_ratio > ratio
+    assert "new" in f.core.retracted and f.batch(out).rows == [f.core.running["old"].row]
+    # the cache manager re-matches it over its computed tokens; it re-queues, and is
+    # admitted again with a prefill of what the match does not cover (outputs included)
+    f.send(Matched(Tokenized("new", list(range(10, 26)), SamplingParams(max_new_tokens=50)),
+                   16, list(range(900, 916)), 3))  # fmt: skip
+    assert "new" in f.core.waiting and f.core.statistics().num_retractions == 1
+    out = f.step(f.batch(out))
+    reopen = f.batch(out)
+    (o,) = reopen.opens
+    assert o.request_id == "new" and o.num_prefix_tokens == 16 and o.prefix_pages[0] == 900
+    assert o.num_output_tokens == 3  # its outputs so far, for penalties and its seed stream
+    i = reopen.rows.index(o.row_idx)
+    assert reopen.start_pos[i] == 16 and reopen.num_new_tokens[i] == 3
+    assert reopen.input_ids[:3] == [7, 7, 7] and reopen.sample[i]
+
+
+def test_a_lone_request_that_cannot_grow_is_aborted_not_stalled():
+    f = Feeder(page_size=1, lease_lookahead_steps=1, lease_max_surplus_pages=0)
+    b = f.batch(f.send(matched("solo", range(4), max_new=50)))
+    f.grant_queue = [0, 0]
+    b = f.batch(f.step(b))
+    out = f.step(b)
+    assert outputs(out)[-1].finish_reason == "abort"
+    assert of(out, SequenceReleased)[-1].reason == "aborted" and not f.core.running
+
+
+def test_rows_are_closed_in_the_next_batch_and_reused_after():
+    f = Feeder(max_running_requests=2)
+    b = f.batch(f.send(matched("a", range(3), max_new=1)))
+    f.send(matched("b", range(10, 13), max_new=3))
+    row_a = b.opens[0].row_idx
+    b = f.batch(f.step(b))  # "a" finished; "b" admitted; a's row closes with this batch
+    assert b.closes == [row_a] and admitted(b) == ["b"] and b.opens[0].row_idx != row_a
+    f.send(matched("c", range(20, 23)))
+    b2 = f.batch(f.step(b))
+    assert admitted(b2) == ["c"] and b2.opens[0].row_idx == row_a and b2.closes == []
+
+
+def test_census_counts_pool_and_held_pages_every_step():
+    core = SchedulerCore(SchedulerConfig(page_size=4, lease_min_pages=1))
+    next_page = 100
+
+    def feed(msg):
+        nonlocal next_page
+        out = core.handle(msg)
+        census = of(out, SchedulerCensus)
+        if census:  # taken after everything else the core did for this message
+            held = sum(len(r.pages) - r.num_tree_pages for r in core.running.values())
+            assert census[-1].num_held_by_requests == held == core.num_held
+            assert census[-1].num_leased_unused == len(core.pool)
+        for m in of(out, LeaseRequest):
+            out += feed(LeaseGranted(m.lease_seq, list(range(next_page, next_page + m.num_pages))))
+            next_page += m.num_pages
+        return out
+
+    out = feed(matched("a", range(10), cached=4, pages=[50], max_new=8))
+    n = 0
+    while (b := Feeder.batch(out)) is not None:
+        n += 1
+        out = feed(StepResult(b.step_id, [r for r, s in zip(b.rows, b.sample) if s], [7]))
+    assert n == 8 and core.num_held == 0 and of(out, SchedulerCensus)
+
+
+# ---- step results and statistics --------------------------------------------------
+
+
+def test_unexpected_results_are_counted_not_applied():
+    f = Feeder()
+    f.send(matched("a", range(4)))
+    assert f.send(StepResult(999, [0], [1])) == []
+    assert f.core.statistics().num_unexpected == 1
+    assert math.isclose(f.core.statistics().new_token_ratio, 0.7)
+
+
+def test_logprobs_and_prompt_logprobs_are_passed_through():
+    f = Feeder()
+    b = f.batch(
+        f.send(matched("lp", range(5), max_new=3, return_logprob=True, top_logprobs_num=1,
+                       logprob_start_len=0))
+    )  # fmt: skip
+    row = b.rows[0]
+    top = [[TopLogprob(7, -0.1)]]
+    out = f.send(StepResult(b.step_id, [row], [7], [-0.1], top, {row: [-1.0, -2.0, -3.0, -4.0]}))
+    (o,) = outputs(out)
+    assert o.token_ids == [7] and o.logprobs == [-0.1] and o.top_logprobs == top
+    assert o.prompt_logprobs == [-1.0, -2.0, -3.0, -4.0]
+
+
+def test_ticks_publish_load_statistics():
+    f = Feeder()
+    f.send(Tick(1_000_000_000))
+    b = f.batch(f.send(matched("a", range(5), max_new=10)))
+    for _ in range(4):
+        b = f.batch(f.step(b))
+    f.send(matched("w", range(20, 30)))
+    (stats,) = of(f.send(Tick(2_000_000_000)), SchedulerStats)
+    assert stats.num_running == 2 or stats.num_running + stats.num_waiting == 2
+    assert stats.gen_throughput_tok_s == pytest.approx(4.0)  # 4 tokens in one second
+    assert f.core.now_ns == 2_000_000_000
+
+
+# ---- overlap (two batches in flight) -------------------------------------------------
+
+
+def test_overlap_plans_the_next_step_before_the_result_and_drops_a_finished_entry():
+    f = Feeder(max_batches_in_flight=2, eos_token_ids=(2,))
+    out = f.send(matched("a", range(10, 14), max_new=10))
+    b1, b2 = [m for m in out if isinstance(m, ForwardBatch)]
+    assert b1.start_pos == [0] and b1.num_new_tokens == [4] and b1.sample == [True]
+    assert b2.start_pos == [4] and b2.input_ids == [LAST_SAMPLED]  # planned before b1's result
+    assert f.core.statistics().num_in_flight == 2
+    # b1's token is eos: the request ends now; b2 is in flight and still writes its pages
+    out = f.step(b1, token=2)
+    assert [o.finish_reason for o in outputs(out)] == ["stop"]
+    assert not of(out, SequenceReleased) and "a" in f.core.ending
+    out = f.step(b2, token=99)
+    assert not outputs(out)  # the wasted entry's token is dropped
+    (rel,) = of(out, SequenceReleased)
+    assert rel.reason == "finished" and rel.token_ids == [10, 11, 12, 13, 2]
+    assert not f.core.ending and f.core.num_held == 0
+
+
+def test_overlap_plans_no_entry_past_the_last_allowed_token():
+    f = Feeder(max_batches_in_flight=2)
+    out = f.send(matched("one", range(3), max_new=1))
+    batches = [m for m in out if isinstance(m, ForwardBatch)]
+    assert len(batches) == 1  # its only token is in flight: nothing more to plan
+    assert outputs(f.step(batches[0]))[0].finish_reason == "length"
+    assert of(f.log, SequenceReleased)[-1].reason == "finished"
+
+
+def test_overlap_abort_waits_for_every_batch_in_flight():
+    f = Feeder(max_batches_in_flight=2)
+    out = f.send(matched("x", range(3), max_new=10))
+    b1, b2 = [m for m in out if isinstance(m, ForwardBatch)]
+    out = f.send(AbortRequest("x"))
+    assert [o.finish_reason for o in outputs(out)] == ["abort"] and not of(out, SequenceReleased)
+    assert not of(f.step(b1), SequenceReleased)
+    (rel,) = of(f.step(b2), SequenceReleased)
+    assert rel.reason == "aborted" and rel.token_ids == [0, 1, 2, 7]

@@ -1,14 +1,13 @@
-"""flashinfer paged attention (kernels/attention_flashinfer.py) and its host page
-layout (kernels/page_layout.py).
+"""flashinfer paged attention (kernels/attention_flashinfer.py). Its host page layout
+(kernels/page_layout.py) is tested in test_page_layout.py; the slot-table helpers
+shared with it are in conftest.py.
 
-CPU tier: the host page-layout helpers, the device page-id gather
-(`kv_page_indices`, against a per-entry Python loop), the layout checks, the
-tensor-core choice, that flashinfer reports itself unavailable without CUDA, and the
-module's wiring: the decode, extend and graph-decode tests below also run on the CPU
-with stand-in wrappers (`_FakeDecode`, `_FakeExtend`: flashinfer 0.5.3's parameter
-names and its semantics as the module reads them: NHD pages, window_left, causal
-aligned to the end of the KV, sm_scale * q_scale, fixed buffers read at replay), at
-a tenth of the long lengths.
+CPU tier: the layout checks, the tensor-core choice, that flashinfer reports itself
+unavailable without CUDA, and the module's wiring: the decode, extend and
+graph-decode tests below also run on the CPU with stand-in wrappers (`_FakeDecode`,
+`_FakeExtend`: flashinfer 0.5.3's parameter names and its semantics as the module
+reads them: NHD pages, window_left, causal aligned to the end of the KV,
+sm_scale * q_scale, fixed buffers read at replay), at a tenth of the long lengths.
 
 `gpu` tier (the `cuda` parameter; needs flashinfer and CUDA): the same tests on the
 real wrappers: decode and extend in bf16 against the float32 references
@@ -31,7 +30,6 @@ import types
 import pytest
 import torch
 
-from shunter.actors.executor.slot_table import PinnedStager
 from shunter.kernels.attention_decode import attention_decode_ref
 from shunter.kernels.attention_extend import attention_extend_ref
 from shunter.kernels.attention_flashinfer import (
@@ -41,31 +39,10 @@ from shunter.kernels.attention_flashinfer import (
     flashinfer_available,
 )
 from shunter.kernels.page_layout import extend_qo_indptr, kv_page_indices, kv_page_layout
+from tests.kernels.conftest import _row_table, _scatter
 
 TOL = dict(atol=2e-2, rtol=2e-2)
 HEADS = [(32, 8, 128), (4, 2, 64)]  # (num_heads, num_kv_heads, head_dim)
-
-
-def _scatter(lens, page_size, gen, spare_pages=3):
-    """Per entry [len] int64 slot tables whose pages are scattered over a pool of
-    num_pages pages (page_size 1: every token on its own page), and num_pages."""
-    pages_each = [-(-n // page_size) for n in lens]
-    perm = torch.randperm(sum(pages_each) + spare_pages, generator=gen)
-    offsets = torch.arange(page_size)
-    owned = perm[: sum(pages_each)].split(pages_each)
-    tables = [(p[:, None] * page_size + offsets).reshape(-1)[:n] for p, n in zip(owned, lens)]
-    return tables, perm.numel()
-
-
-def _row_table(tables, num_rows, gen, dtype=torch.int32):
-    """A [num_rows, max_ctx] slot table holding the entries at shuffled rows, and the
-    [B] rows of the entries."""
-    max_ctx = max(t.shape[0] for t in tables) + 5
-    table = torch.randint(0, 1 << 20, (num_rows, max_ctx), generator=gen).to(dtype)
-    rows = torch.randperm(num_rows, generator=gen)[: len(tables)]
-    for r, t in zip(rows.tolist(), tables, strict=True):
-        table[r, : t.shape[0]] = t.to(dtype)
-    return table, rows
 
 
 # ---- CPU tier ---------------------------------------------------------------------
@@ -74,49 +51,6 @@ def _row_table(tables, num_rows, gen, dtype=torch.int32):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_flashinfer_unavailable_without_cuda():
     assert flashinfer_available() is False
-
-
-def test_kv_page_layout():
-    indptr, last = kv_page_layout([1, 16, 17, 33, 48], 16)
-    assert indptr.dtype == last.dtype == torch.int32 and indptr.device.type == "cpu"
-    assert indptr.tolist() == [0, 1, 2, 4, 7, 10]
-    assert last.tolist() == [1, 16, 1, 1, 16]
-    indptr, last = kv_page_layout([3, 1, 1200], 1)
-    assert indptr.tolist() == [0, 3, 4, 1204] and last.tolist() == [1, 1, 1]
-    with pytest.raises(ValueError):
-        kv_page_layout([4, 0], 16)
-
-
-def test_extend_qo_indptr():
-    indptr = extend_qo_indptr([5, 1, 37])
-    assert indptr.dtype == torch.int32 and indptr.tolist() == [0, 5, 6, 43]
-
-
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_kv_page_indices(page_size, dtype):
-    gen = torch.Generator().manual_seed(page_size)
-    lens = [1, 16, 17, 1500, 5, 32, 33]
-    tables, _ = _scatter(lens, page_size, gen)
-    table, rows = _row_table(tables, 11, gen, dtype)
-    got = kv_page_indices(table, rows, lens, page_size)
-    staged = kv_page_indices(table, rows, lens, page_size, PinnedStager(table.device).stage)
-    assert torch.equal(staged, got)  # the runner's pinned staging path
-    want = [
-        int(table[r, j]) // page_size
-        for r, n in zip(rows.tolist(), lens, strict=True)
-        for j in range(0, n, page_size)
-    ]
-    assert got.dtype == torch.int32 and got.tolist() == want
-    indptr, _ = kv_page_layout(lens, page_size)
-    assert got.shape[0] == int(indptr[-1])
-
-
-def test_kv_page_indices_empty_and_mismatched():
-    table = torch.zeros(2, 8, dtype=torch.int64)
-    assert kv_page_indices(table, torch.zeros(0, dtype=torch.int64), [], 4).shape == (0,)
-    with pytest.raises(ValueError):
-        kv_page_indices(table, torch.zeros(2, dtype=torch.int64), [3], 4)
 
 
 def test_decode_tensor_core_choice():

@@ -1,10 +1,14 @@
 """The warm-up script (warmup.py): each attention path once, on distinct pages, rows
-closed at the end; nothing when the pool or the context is too small. Running it on
-a real core is in test_executor_core.py."""
+closed at the end; nothing when the pool or the context is too small; on a CUDA
+build, every flashinfer mode planned before the core is handed over (or none, with
+skip_server_warmup). Running it on a real CPU core is in test_executor_core.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from shunter.actors.executor.warmup import warmup_batches
 from shunter.bus.messages import LAST_SAMPLED
@@ -47,3 +51,40 @@ def test_one_row_and_too_small_pools_or_contexts():
     assert one[-1].closes == [0] and all(r == 0 for b in one for r in b.rows)
     assert warmup_batches(1, 10, 256, 4096, 8) == []  # fewer pages than its tokens
     assert warmup_batches(16, 1000, 256, 8, 8) == []  # a context shorter than its prompt
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("skip", [False, True], ids=["warm", "skip_server_warmup"])
+def test_cuda_build_plans_every_flashinfer_mode(tmp_path, monkeypatch, skip):
+    """build_core on CUDA with flashinfer runs the warm-up (so prefill, extend and
+    decode wrappers are built before Ready) unless skip_server_warmup, and hands over a
+    core with no row open and zeroed counters."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("flashinfer")
+    from shunter.actors.executor.build import build_core
+    from shunter.actors.executor.config import ExecutorConfig
+    from shunter.kernels import attention_flashinfer as afi
+    from shunter.ops.bench_gpu_model import TINY_LLAMA
+
+    planned = []
+    for name in ("plan_prefill", "plan_extend", "plan_decode"):
+        orig = getattr(afi.FlashInferAttention, name)
+
+        def spy(self, *a, _orig=orig, _name=name, **kw):
+            planned.append(_name)
+            return _orig(self, *a, **kw)
+
+        monkeypatch.setattr(afi.FlashInferAttention, name, spy)
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    cfg = ExecutorConfig(model_path=str(tmp_path), load_format="dummy", device="cuda",
+                         dtype="bfloat16", attention_backend="flashinfer",
+                         decode_attention_backend="flashinfer", disable_cuda_graph=True,
+                         max_total_tokens=512, max_num_rows=4, page_size=16,
+                         load_progress=False, skip_server_warmup=skip)  # fmt: skip
+    core = build_core(cfg)
+    if skip:
+        assert planned == []
+    else:
+        assert {"plan_prefill", "plan_extend", "plan_decode"} <= set(planned), planned
+    assert core.open_rows() == {} and core.statistics().num_steps == 0

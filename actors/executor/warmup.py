@@ -22,6 +22,7 @@ is written before it is read). Pure batch construction (no clock, env or RNG).
 from __future__ import annotations
 
 from shunter.actors.executor.core import ExecutorCore
+from shunter.actors.executor.core_plan import Geometry
 from shunter.bus.messages import LAST_SAMPLED, ForwardBatch, RowOpen, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=1 << 20)
@@ -29,29 +30,27 @@ PROMPT = 16  # tokens of each warm-up prompt
 EXTEND = 4  # tokens of the extend over a row's cached KV
 
 
-def warmup_batches(page_size: int, num_pages: int, vocab_size: int, max_context_len: int,
-                   max_num_rows: int) -> list[ForwardBatch]:  # fmt: skip
+def warmup_batches(g: Geometry) -> list[ForwardBatch]:
     """The warm-up steps (the last one only closes the rows), or [] when the pool or the
     context is too small for them: 1. row 0's prompt (prefill); 2. row 0 decodes
     while row 1's prompt runs (extend, mixed); 3. row 0 extends by EXTEND tokens, its
     sample first (extend); 4. rows 0 and 1 decode (decode). With one row, step 2 is
     row 0's decode alone."""
-    two = max_num_rows >= 2
+    ps = g.page_size
+    two = g.max_num_rows >= 2
     row0_len = PROMPT + 2 + EXTEND  # prompt, its sample, an extend, a decode input
-    pages0 = -(-row0_len // page_size)
-    pages1 = -(-(PROMPT + 1) // page_size) if two else 0
-    if row0_len > max_context_len or pages0 + pages1 > num_pages:
+    pages0 = -(-row0_len // ps)
+    pages1 = -(-(PROMPT + 1) // ps) if two else 0
+    if row0_len > g.max_context_len or pages0 + pages1 > g.num_pages:
         return []
-    ids = [1 + i % (vocab_size - 1) for i in range(PROMPT + EXTEND - 1)]
-    free = iter(range(num_pages))
-    got = {0: 0, 1: 0}  # pages each row holds so far
-    lens = {0: 0, 1: 0}
+    ids = [1 + i % (g.vocab_size - 1) for i in range(PROMPT + EXTEND - 1)]
+    free = iter(range(g.num_pages))
+    lens = {0: 0, 1: 0}  # tokens each row holds so far
 
     def grow(row: int, new: int) -> list[int]:  # pages the row needs for `new` more tokens
+        held = -(-lens[row] // ps)
         lens[row] += new
-        need = -(-lens[row] // page_size) - got[row]
-        got[row] += need
-        return [next(free) for _ in range(need)]
+        return [next(free) for _ in range(-(-lens[row] // ps) - held)]
 
     def batch(step: int, opens: list[RowOpen], entries: list[tuple[int, list[int]]]):
         rows, nums, starts, flat, pages, num_pages_ = [], [], [], [], [], []
@@ -84,8 +83,7 @@ def warm_up(core: ExecutorCore) -> int:
     ran. RuntimeError if one failed: the paths a server needs do not work."""
     if core.open_rows():
         raise RuntimeError("warm-up needs an executor with no open row")
-    batches = warmup_batches(core.page_size, core.num_pages, core.vocab_size,
-                             core.max_context_len, core.max_num_rows)  # fmt: skip
+    batches = warmup_batches(core.geometry)
     for b in batches:
         res = core.step(b)
         if res.error is not None:

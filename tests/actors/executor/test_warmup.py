@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from shunter.actors.executor.core_plan import Geometry
 from shunter.actors.executor.warmup import warmup_batches
 from shunter.bus.messages import LAST_SAMPLED
 
@@ -32,7 +33,7 @@ def _modes(batches) -> list[str]:
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_steps_take_every_attention_path_on_distinct_pages(page_size):
-    bs = warmup_batches(page_size, 1000, 256, 4096, 8)
+    bs = warmup_batches(Geometry(page_size, 1000, 256, 4096, 8, ()))
     assert _modes(bs) == ["prefill", "extend", "extend", "decode"]
     mixed = bs[1]  # a decode beside a fresh prompt: what a lightly loaded server runs
     assert mixed.num_new_tokens[0] == 1 and mixed.input_ids[0] == LAST_SAMPLED
@@ -46,11 +47,12 @@ def test_steps_take_every_attention_path_on_distinct_pages(page_size):
 
 
 def test_one_row_and_too_small_pools_or_contexts():
-    one = warmup_batches(16, 1000, 256, 4096, 1)
+    one = warmup_batches(Geometry(16, 1000, 256, 4096, 1, ()))
     assert _modes(one) == ["prefill", "decode", "extend", "decode"]
     assert one[-1].closes == [0] and all(r == 0 for b in one for r in b.rows)
-    assert warmup_batches(1, 10, 256, 4096, 8) == []  # fewer pages than its tokens
-    assert warmup_batches(16, 1000, 256, 8, 8) == []  # a context shorter than its prompt
+    # fewer pages than its tokens; a context shorter than its prompt
+    assert warmup_batches(Geometry(1, 10, 256, 4096, 8, ())) == []
+    assert warmup_batches(Geometry(16, 1000, 256, 8, 8, ())) == []
 
 
 @pytest.mark.gpu

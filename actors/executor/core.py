@@ -292,9 +292,7 @@ class ExecutorCore:
             ids = long_tensor([e.ids[0] for e in entries])
             firsts = list(range(len(entries)))
         else:
-            ids = long_tensor(
-                entries[0].ids if len(entries) == 1 else [t for e in entries for t in e.ids]
-            )
+            ids = long_tensor([t for e in entries for t in e.ids])
             firsts, off = [], 0
             for e in entries:
                 firsts.append(off)

@@ -305,8 +305,8 @@ class ModelRunner:
         at = 2 * num_tokens
         if ids_host:
             ids, at = dev[at : at + num_tokens], at + num_tokens
-        else:
-            ids = inp.input_ids.to(self.device)
+        else:  # already on the device (gathered from the last samples)
+            ids = inp.input_ids
         sw = self.config.sliding_window
         kv = (self.kv_pool.k_buffers, self.kv_pool.v_buffers)
         if use_fi:

@@ -9,8 +9,8 @@ kept for activations, minus the slot table and an estimate of what the decode gr
 hold. The runner then captures its decode graphs (a progress bar) unless
 `disable_cuda_graph`, and the core runs the warm-up steps (warmup.py) unless
 `skip_server_warmup`, so that the attention kernels flashinfer compiles on first use
-are built before the executor is ready rather than inside a request's step. On a CPU the pool is sized from host
-memory (kv_pool.py) and nothing needs warming.
+are built before the executor is ready rather than inside a request's step. On a CPU
+the pool is sized from host memory (kv_pool.py) and nothing needs warming.
 
 Invariants: blocking (seconds); the pool is never sized below one page (ValueError
 from KVPool.from_budget says by how much the budget fell short).

@@ -137,9 +137,8 @@ class ExecutorCore:
         device = torch.device(getattr(runner, "device", "cpu"))
         self._last_tokens = torch.zeros(max_num_rows, dtype=torch.int64, device=device)
         self._inflight: _InFlight | None = None
-        self._num_steps = self._num_failed = self._num_tokens = self._num_sampled = 0
-        self._num_unknown_closes = 0
         self._last_error: str | None = None
+        self.reset_statistics()
 
     # ---- the loop -------------------------------------------------------------------
 

@@ -57,6 +57,14 @@ def test_gemv_matches_reference(m, n, k, bias):
     _close(y, linear_ref(x, w, b), 1e-4)
 
 
+@pytest.mark.parametrize(("n", "k"), [(5, 300), (3, 4100)])
+def test_gemv_default_configs_match_reference(n, k):
+    """gemv_config's tiles (one weight row per program; K in one tile up to 4096, in
+    512-wide steps beyond) at a short and a long K."""
+    x, w = _randn(1, k, seed=1), _randn(n, k, seed=2) * 0.1
+    _close(linear_gemv_triton(x, w), linear_ref(x, w), 1e-4)
+
+
 @pytest.mark.parametrize("m", [1, 3])
 def test_gemv_silu_mul_matches_reference(m):
     k = 96
@@ -151,7 +159,7 @@ def test_rope_kv_store_on_the_cpu_returns_the_rotation_and_stores():
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, MAX_ROWS])
-@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (57344, 4096), (128256, 4096)])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (4096, 14336), (57344, 4096), (128256, 4096)])
 def test_gemv_bf16_at_llama_shapes(m, n, k):
     x, w = _randn(m, k, dtype=torch.bfloat16, seed=8), _randn(n, k, dtype=torch.bfloat16) * 0.02
     _close(linear_gemv_triton(x, w), linear_ref(x, w), 1.6e-2)

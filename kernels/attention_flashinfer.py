@@ -11,7 +11,10 @@ entry's pages start in kv_indices) and kv_last_page_len (tokens in its last page
 kernels/page_layout.py builds them without waiting for the device. Once per step,
 `plan_*` hands these to flashinfer (which schedules the work on the host and copies
 its plan to the device asynchronously); every layer then calls `decode` / `extend`,
-which only launch kernels. Extend is causal within the new tokens, aligned to the end of the KV
+which only launch kernels. `plan_extend` and `plan_prefill` check their layout at
+once but call flashinfer's planner at the step's first `extend` / `prefill`: by then
+the first layer's projections are queued, so the device computes them while the host
+plans (about a millisecond before an 8k-token prefill). Extend is causal within the new tokens, aligned to the end of the KV
 (flashinfer's causal mask for append). A sliding window of w keys is flashinfer's
 window_left = w - 1. The softmax scale arrives with the query: plans fix sm_scale at
 1 and runs pass q_scale=scale (flashinfer multiplies them). A prefill whose
@@ -97,6 +100,13 @@ class _PlanFence:
         if self._event is None:
             self._event = torch.cuda.Event()
         self._event.record(torch.cuda.current_stream(self._device))
+
+
+def _plan(wrapper: Any, fence: _PlanFence, args: tuple, kwargs: dict) -> None:
+    """wrapper.plan(*args, **kwargs) once the device has read the wrapper's last plan."""
+    fence.wait()
+    wrapper.plan(*args, **kwargs)
+    fence.record()
 
 
 @dataclass(frozen=True)
@@ -259,6 +269,7 @@ class FlashInferAttention(_Decoder):
         )
         self._extend_fence = _PlanFence(device)
         self._extend_rows: int | None = None
+        self._extend_pending: tuple[tuple, dict] | None = None  # plan() args, until the run
         # prefill with no cached prefix: the new tokens' own q/k/v, no page walk ("auto"
         # takes the SM90 fa3 kernels on Hopper, fa2 elsewhere)
         self._ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
@@ -266,6 +277,7 @@ class FlashInferAttention(_Decoder):
         )
         self._ragged_fence = _PlanFence(device)
         self._ragged_rows: int | None = None
+        self._ragged_pending: tuple[tuple, dict] | None = None
         self._ragged_scale = 0.0
         # [max_num_pages] int32: page ids of every graph decoder (one plan+replay at a time)
         self._graph_indices = torch.zeros(max_num_pages, dtype=torch.int32, device=device)
@@ -292,13 +304,11 @@ class FlashInferAttention(_Decoder):
         num_new = (qo_indptr[1:] - qo_indptr[:-1]).to(torch.int64)
         if int(num_new.min()) < 1 or bool((num_new > kv_lens).any()):
             raise ValueError("every extend entry needs 1 <= new tokens <= its KV length")
-        self._extend_fence.wait()
-        self._extend.plan(
-            qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
-            g.num_heads, g.num_kv_heads, g.head_dim, g.page_size,
-            causal=True, **g.plan_kwargs(sliding_window),
+        self._extend_pending = (
+            (qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+             g.num_heads, g.num_kv_heads, g.head_dim, g.page_size),
+            dict(causal=True, **g.plan_kwargs(sliding_window)),
         )  # fmt: skip
-        self._extend_fence.record()
         self._extend_rows = int(qo_indptr[-1])
 
     def extend(
@@ -307,6 +317,9 @@ class FlashInferAttention(_Decoder):
         """q: [T, H, D] (T = qo_indptr[-1]); k_cache, v_cache: [num_slots, Hkv, D]
         -> [T, H, D]."""
         paged = self.geometry.paged(q, k_cache, v_cache, self._extend_rows)
+        if self._extend_pending is not None:
+            _plan(self._extend, self._extend_fence, *self._extend_pending)
+            self._extend_pending = None
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         return self._extend.run(q, paged, out=out, q_scale=scale)
 
@@ -323,12 +336,10 @@ class FlashInferAttention(_Decoder):
             raise ValueError("qo_indptr must be [B+1] starting at 0 for B >= 1 entries")
         if int((qo_indptr[1:] - qo_indptr[:-1]).min()) < 1:
             raise ValueError("every prefill entry needs at least one token")
-        self._ragged_fence.wait()
-        self._ragged.plan(
-            qo_indptr, qo_indptr, g.num_heads, g.num_kv_heads, g.head_dim,
-            causal=True, **{**g.plan_kwargs(sliding_window), "sm_scale": scale},
+        self._ragged_pending = (
+            (qo_indptr, qo_indptr, g.num_heads, g.num_kv_heads, g.head_dim),
+            dict(causal=True, **{**g.plan_kwargs(sliding_window), "sm_scale": scale}),
         )  # fmt: skip
-        self._ragged_fence.record()
         self._ragged_rows = int(qo_indptr[-1])
         self._ragged_scale = scale
 
@@ -350,6 +361,9 @@ class FlashInferAttention(_Decoder):
         for t in (q, k, v):
             if t.dtype != g.dtype:
                 raise ValueError(f"planned for {g.dtype}, got {t.dtype}")
+        if self._ragged_pending is not None:
+            _plan(self._ragged, self._ragged_fence, *self._ragged_pending)
+            self._ragged_pending = None
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         # the kernels take token and head strides for q, k and v alike: the model's
         # views of its qkv projection are read in place, not copied

@@ -342,15 +342,15 @@ class ModelRunner:
         assert self.flashinfer is not None
         n = inp.num_new_tokens
         sw = self.config.sliding_window
-        layout = self._page_lists(rows, inp.seq_lens)
         if all(k == 1 for k in n):
-            self.flashinfer.plan_decode(*layout, sliding_window=sw)
+            self.flashinfer.plan_decode(*self._page_lists(rows, inp.seq_lens), sliding_window=sw)
             mode = "decode"
         elif list(n) == list(inp.seq_lens):  # nothing cached: attend the new tokens alone
             scale = self.config.head_dim**-0.5
             self.flashinfer.plan_prefill(extend_qo_indptr(n), scale, sliding_window=sw)
             mode = "prefill"
         else:
+            layout = self._page_lists(rows, inp.seq_lens)
             self.flashinfer.plan_extend(extend_qo_indptr(n), *layout, sliding_window=sw)
             mode = "extend"
         kv = (self.kv_pool.k_buffers, self.kv_pool.v_buffers)

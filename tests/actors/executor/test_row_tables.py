@@ -8,19 +8,21 @@ import random
 import pytest
 import torch
 
-from shunter.actors.executor.row_tables import ROW_CHUNK, RowTables
+from shunter.actors.executor.row_tables import ROW_CHUNK, SLICE_MAX_ENTRIES, RowTables
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_pages_and_slots_match_a_per_token_model(page_size):
-    rng = random.Random(page_size)
+@pytest.mark.parametrize("num_rows", [3, SLICE_MAX_ENTRIES + 4])  # slices; one scatter
+def test_pages_and_slots_match_a_per_token_model(page_size, num_rows):
+    rng = random.Random(page_size * 100 + num_rows)
     max_ctx = 512  # a prefix under 40 plus 20 steps of at most 20 tokens
     tables = RowTables(page_size, -(-max_ctx // page_size), max_ctx)
     free = list(range(10_000))
     rng.shuffle(free)
     model: dict[int, list[int]] = {}  # row -> its page ids
     lens: dict[int, int] = {}
-    for o_row in (3, ROW_CHUNK + 7, 2 * ROW_CHUNK + 1):  # each grows the tables
+    growing = [3, ROW_CHUNK + 7, 2 * ROW_CHUNK + 1]  # each grows the tables
+    for o_row in growing + list(range(10, 10 + num_rows - len(growing))):
         tables.ensure(o_row)
         n_prefix = rng.randrange(0, 40)
         pages = [free.pop() for _ in range(-(-n_prefix // page_size))]

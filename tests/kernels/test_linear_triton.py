@@ -159,7 +159,9 @@ def test_rope_kv_store_on_the_cpu_returns_the_rotation_and_stores():
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, MAX_ROWS])
-@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (4096, 14336), (57344, 4096), (128256, 4096)])
+@pytest.mark.parametrize(
+    ("n", "k"), [(6144, 4096), (4096, 4096), (4096, 14336), (57344, 4096), (128256, 4096)]
+)
 def test_gemv_bf16_at_llama_shapes(m, n, k):
     x, w = _randn(m, k, dtype=torch.bfloat16, seed=8), _randn(n, k, dtype=torch.bfloat16) * 0.02
     _close(linear_gemv_triton(x, w), linear_ref(x, w), 1.6e-2)

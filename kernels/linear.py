@@ -5,8 +5,9 @@ Dispatch: a CUDA step of at most `SKINNY_MAX_ROWS` rows in bfloat16/float16 (a d
 step at small batch, where a projection only streams its weight) goes to the GEMV
 Triton kernel of kernels/linear_triton.py (imported on first use); everything else is
 `F.linear` (cuBLAS on CUDA, oneDNN on the CPU), after `silu_mul` / `fused_add_rmsnorm`
-for the fused forms. On an H200 a bs=1 step of Llama-3.1-8B runs 1.02-1.04x faster
-with the GEMV on qkv, o and down (gate/up and the logits are wider than GEMV_MAX_N and
+for the fused forms. On an H200 a bs=1 step of Llama-3.1-8B ran 1.02-1.04x faster
+with the GEMV on qkv, o and down than with cuBLAS, and its one-weight-row tiles
+(gemv_config) added 1.02-1.03x (gate/up and the logits are wider than GEMV_MAX_N and
 stay on cuBLAS). The kernel can also fold the SwiGLU, or the add + RMSNorm, into its
 operand load (`FUSE_SILU`, `FUSE_NORM`), saving those launches, but every program then
 re-reads the activations and the step got slower (BENCHMARKS.md), so both are off.

@@ -14,6 +14,13 @@ the GPU about four programs per multiprocessor; each entry divides its own kv_le
 over them (read on the device), so a captured step balances whatever lengths it
 replays with.
 
+With `MERGE_IN_SPLIT` the merge runs inside stage 1 instead, with no second launch:
+each split with keys writes its partial, then takes a ticket from its (entry, KV
+head)'s counter (an atomic add that releases its stores); the split that draws the
+last ticket reads the others' partials (its acquire makes them visible) and writes
+the output, then puts the counter back to 0 for the next launch. An entry whose keys
+fit one split writes its output directly either way. Off until measured faster.
+
 Both kernels launch with programmatic dependent launch on Hopper (kernels/pdl.py).
 
 Invariants: the plan's kv_lens[b] >= 1 and its first kv_lens[b] index cells are valid
@@ -37,6 +44,7 @@ from shunter.kernels.attention_decode import DecodePlan
 from shunter.kernels.pdl import pdl_enter, use_pdl
 
 MIN_KEYS_PER_SPLIT = 256
+MERGE_IN_SPLIT = False  # the last split of each (entry, KV head) merges; no merge kernel
 # Measured on an H200 (one entry of 131072 keys, 8 KV heads): 2 programs per SM reached
 # 54% of the copy bandwidth, 4 reached 89%, 8 and 16 fewer (79%, 55%).
 PROGRAMS_PER_SM = 4
@@ -82,6 +90,39 @@ def _split_keys(kv_len, split, num_splits, window, HAS_WINDOW: tl.constexpr,
 
 
 @triton.jit
+def _active_splits(kv_len, num_splits, window, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[lo, hi): the splits `_split_keys` gives keys to (a contiguous run)."""
+    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    hi = tl.cdiv(kv_len, chunk)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(kv_len - window, 0) // chunk
+    return lo, hi
+
+
+@triton.jit
+def _merge_partials(mid_o_ptr, mid_lse_ptr, row0, lo, hi, gm, d, dm,
+                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """[G, D] merge of splits lo..hi-1's partials (rows row0 + split, [G]), read past
+    L1 (other programs wrote them)."""
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for sp in range(lo, hi):
+        row = row0 + sp
+        lse = tl.load(mid_lse_ptr + row, mask=gm, other=0.0, cache_modifier=".cg")
+        o = tl.load(mid_o_ptr + row[:, None] * BLOCK_D + d[None, :],
+                    mask=gm[:, None] & dm[None, :], other=0.0, cache_modifier=".cg")  # fmt: skip
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp(m - m_new)
+        w = tl.exp(lse - m_new)
+        acc = acc * alpha[:, None] + o * w[:, None]
+        den = den * alpha + w
+        m = m_new
+    return acc / tl.where(gm, den, 1.0)[:, None]
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -92,6 +133,7 @@ def _decode_split_kernel(
     out_ptr,
     mid_o_ptr,
     mid_lse_ptr,
+    ticket_ptr,
     q_b_stride,
     q_h_stride,
     out_b_stride,
@@ -107,6 +149,7 @@ def _decode_split_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     DIRECT: tl.constexpr,
+    MERGE_IN_SPLIT: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -169,12 +212,26 @@ def _decode_split_kernel(
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     om = gm[:, None] & dm[None, :]
+    out_rows = out_ptr + b * out_b_stride + heads[:, None] * out_h_stride + d[None, :]
     if DIRECT:
-        tl.store(
-            out_ptr + b * out_b_stride + heads[:, None] * out_h_stride + d[None, :],
-            o.to(out_ptr.dtype.element_ty),
-            mask=om,
-        )
+        tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=om)
+    elif MERGE_IN_SPLIT:
+        lo, hi = _active_splits(kv_len, num_splits, window, HAS_WINDOW, BLOCK_N)
+        if hi - lo == 1:  # the entry's only split with keys: no partial, no merge
+            if start < end:
+                tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=om)
+        elif start < end:
+            row0 = (b * tl.num_programs(1) * group + heads) * num_splits  # [G]
+            tl.store(mid_o_ptr + (row0 + split)[:, None] * BLOCK_D + d[None, :], o, mask=om)
+            lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+            tl.store(mid_lse_ptr + row0 + split, lse, mask=gm)
+            tl.debug_barrier()  # every thread's stores are issued before the release
+            ticket = ticket_ptr + b * tl.num_programs(1) + kvh
+            if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == hi - lo - 1:
+                merged = _merge_partials(mid_o_ptr, mid_lse_ptr, row0, lo, hi, gm, d, dm,
+                                         BLOCK_G, BLOCK_D)  # fmt: skip
+                tl.store(out_rows, merged.to(out_ptr.dtype.element_ty), mask=om)
+                tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")  # ready for the next launch
     elif start < end:  # a split with no keys writes nothing: the merge skips it
         row = (b * tl.num_programs(1) * group + heads) * num_splits + split  # [G] in [B*H*S]
         tl.store(mid_o_ptr + row[:, None] * BLOCK_D + d[None, :], o, mask=om)
@@ -222,6 +279,20 @@ def _decode_merge_kernel(
     )
 
 
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, n: int) -> torch.Tensor:
+    """[>= n] int32 zeros on `device`, one counter per (entry, KV head), shared by every
+    launch (each launch leaves its counters at 0). Made before a graph captures it."""
+    t = _TICKETS.get(device)
+    if t is None or t.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("decode attention: run once before capturing a larger batch")
+        t = _TICKETS[device] = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
+    return t
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -245,10 +316,12 @@ def attention_decode_triton(
     *,
     sliding_window: int | None = None,
     num_splits: int | None = None,
+    merge_in_split: bool | None = None,
 ) -> torch.Tensor:
     """q: [B, H, D]; k_cache, v_cache: [num_slots, Hkv, D] -> [B, H, D].
     `plan` from `plan_decode` (its kv_indices and kv_lens on q's device); its mask is
-    not read: padding is cut by kv_lens and the window by `sliding_window`."""
+    not read: padding is cut by kv_lens and the window by `sliding_window`.
+    merge_in_split: None takes MERGE_IN_SPLIT."""
     bsz, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     assert q.stride(-1) == 1, "attention_decode_triton needs a contiguous dim axis"
@@ -274,7 +347,9 @@ def attention_decode_triton(
     num_splits = triton.cdiv(max_len, chunk)  # no split that even the longest entry leaves empty
     block_d = max(triton.next_power_of_2(head_dim), 16)
     direct = num_splits == 1
+    in_split = MERGE_IN_SPLIT if merge_in_split is None else merge_in_split
     pdl = use_pdl(q)
+    tickets = _tickets(q.device, bsz * num_kv_heads) if in_split and not direct else plan.kv_lens
     if direct:
         mid_o = mid_lse = out  # unused
     else:
@@ -292,6 +367,7 @@ def attention_decode_triton(
         out,
         mid_o,
         mid_lse,
+        tickets,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -307,6 +383,7 @@ def attention_decode_triton(
         HAS_WINDOW=sliding_window is not None,
         HAS_ROWS=has_rows,
         DIRECT=direct,
+        MERGE_IN_SPLIT=in_split,
         IEEE=k_cache.dtype == torch.float32 or INTERPRETED,
         UPCAST=INTERPRETED,
         BLOCK_G=max(triton.next_power_of_2(group), 16),
@@ -316,7 +393,7 @@ def attention_decode_triton(
         num_warps=4,
         launch_pdl=pdl,
     )
-    if not direct:
+    if not direct and not in_split:
         _decode_merge_kernel[(bsz, num_heads)](
             mid_o,
             mid_lse,

@@ -10,6 +10,7 @@ before the second dot)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -92,24 +93,29 @@ def _decode_expected(q, kc, vc, tables, scale, window=None):
     ("num_heads", "num_kv", "head_dim", "lens"),
     [(9, 3, 64, [1, 70, 300, 5]), (4, 4, 7, [33]), (8, 1, 16, [17, 2, 129])],
 )
-def test_decode_matches_sdpa(dtype, page_size, num_heads, num_kv, head_dim, lens):
+@pytest.mark.parametrize("in_split", [False, True], ids=["merge-kernel", "merge-in-split"])
+def test_decode_matches_sdpa(dtype, page_size, num_heads, num_kv, head_dim, lens, in_split):
     q, kc, vc, tables = _decode_case(num_heads, num_kv, head_dim, lens, page_size, dtype, seed=1)
     scale = head_dim**-0.5
     want = _decode_expected(q, kc, vc, tables, scale)
     plan = plan_decode(tables, device=DEVICE)
     tol = TOL[dtype]
     for num_splits in (None, 1, 3):  # default choice, one split (direct), merged splits
-        out = attention_decode_triton(q, kc, vc, plan, scale, num_splits=num_splits)
+        out = attention_decode_triton(q, kc, vc, plan, scale, num_splits=num_splits,
+                                      merge_in_split=in_split)  # fmt: skip
         assert out.dtype == dtype and out.shape == q.shape
         torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
 
 
-def test_decode_agrees_with_torch_reference_and_window():
-    q, kc, vc, tables = _decode_case(6, 2, 24, [3, 90, 200], 16, torch.float32, seed=2)
-    plan = plan_decode(tables, device=DEVICE, sliding_window=40)
-    out = attention_decode_triton(q, kc, vc, plan, 0.2, sliding_window=40, num_splits=2)
+@pytest.mark.parametrize("in_split", [False, True], ids=["merge-kernel", "merge-in-split"])
+def test_decode_agrees_with_torch_reference_and_window(in_split):
+    q, kc, vc, tables = _decode_case(6, 2, 24, [3, 90, 200, 130], 16, torch.float32, seed=2)
     want = attention_decode_ref(q, kc, vc, tables, 0.2, sliding_window=40)
-    torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
+    plan = plan_decode(tables, device=DEVICE, sliding_window=40)
+    for num_splits in (2, 7):  # the window leaves some entries one split with keys, some two
+        out = attention_decode_triton(q, kc, vc, plan, 0.2, sliding_window=40,
+                                      num_splits=num_splits, merge_in_split=in_split)  # fmt: skip
+        torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
     assert not torch.allclose(out, attention_decode_ref(q, kc, vc, tables, 0.2), atol=1e-3)
 
 
@@ -128,8 +134,9 @@ def test_decode_from_row_table_matches_padded_plan(page_size):
     lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     plan = plan_decode_rows(table, torch.tensor(rows, device=DEVICE), lens_t, max_len=width)
     want = _decode_expected(q, kc, vc, tables, 0.2)
-    for num_splits in (None, 1, 5):
-        out = attention_decode_triton(q, kc, vc, plan, 0.2, num_splits=num_splits)
+    for num_splits, in_split in itertools.product((None, 1, 5), (False, True)):
+        out = attention_decode_triton(q, kc, vc, plan, 0.2, num_splits=num_splits,
+                                      merge_in_split=in_split)  # fmt: skip
         torch.testing.assert_close(out.double(), want, rtol=2e-5, atol=2e-5)
 
 
@@ -214,6 +221,24 @@ def test_decode_llama8b_heads_long_context_on_gpu(page_size):
     want = _decode_expected(q, kc, vc, tables, 128**-0.5)
     out = attention_decode_triton(q, kc, vc, plan_decode(tables, device=DEVICE), 128**-0.5)
     torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)
+
+
+@gpu
+@pytest.mark.gpu
+def test_decode_merge_in_split_repeats_the_merge_kernels_output_on_gpu():
+    """The in-split merge on the device, where the splits of one entry really run
+    at once: 200 launches at the 8B heads (long and short entries, 66 splits each, as
+    a bs=1-8 graph splits) and every output within the merge kernel's tolerance of the
+    merge-kernel path; a counter left off 0 would mis-merge the launches after it."""
+    lens = [1, 100, 4096, 30000, 777, 5000, 2, 130]
+    q, kc, vc, tables = _decode_case(32, 8, 128, lens, 1, torch.bfloat16, seed=6)
+    plan = plan_decode(tables, device=DEVICE)
+    want = attention_decode_triton(q, kc, vc, plan, 128**-0.5, num_splits=66,
+                                   merge_in_split=False).float()  # fmt: skip
+    outs = [attention_decode_triton(q, kc, vc, plan, 128**-0.5, num_splits=66,
+                                    merge_in_split=True) for _ in range(200)]  # fmt: skip
+    for out in outs:
+        torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2)
 
 
 @gpu

@@ -43,6 +43,7 @@ import torch
 from tqdm import tqdm
 
 from shunter.actors.executor.models.config import ModelConfig
+from shunter.ops import bench_settings
 from shunter.ops.bench_gpu_driver import GREEDY, Driver, offline_run, random_prompts
 from shunter.ops.bench_gpu_model import (
     H200_PEAK_BF16_FLOPS,
@@ -97,6 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0,
                    help="sampling of every row (default 0: greedy)")  # fmt: skip
     g.add_argument("--top-p", type=float, default=1.0, help="sampling of every row")
+    g.add_argument("--set", action="append", default=[], metavar="MODULE.CONSTANT=VALUE",
+                   help="change a module constant before the run, e.g. "
+                        "kernels.linear.SKINNY_MAX_ROWS=0 (repeatable; bench_settings.py)")  # fmt: skip
     g.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     g.add_argument("--out", default=None, help="also write the JSON summary here")
 
@@ -236,8 +240,10 @@ def build(args: argparse.Namespace, model_dir: pathlib.Path, dummy: bool, sizes:
     from shunter.actors.executor.build import build_core
     from shunter.actors.executor.config import ExecutorConfig
 
+    # every phase warms itself (an untimed first run), so the start-up warm-up is skipped
     cfg = ExecutorConfig(
         model_path=str(model_dir), load_format="dummy" if dummy else "auto", device=args.device,
+        skip_server_warmup=True,
         dtype=args.dtype, page_size=args.page_size, seed=args.seed,
         weight_format=args.weight_format, attention_backend=args.attention_backend,
         decode_attention_backend=args.decode_attention_backend,
@@ -257,6 +263,11 @@ def run(args: argparse.Namespace) -> int:
     if not batch_sizes or min(batch_sizes) < 1 or args.decode_steps < 1:
         print("bench executor: batch sizes and --decode-steps must be >= 1", file=sys.stderr)
         return 2
+    try:
+        settings = bench_settings.apply(getattr(args, "set", None) or [])
+    except ValueError as e:
+        print(f"bench executor: {e}", file=sys.stderr)
+        return 2
     s: dict = {}
     if dev.type == "cuda":
         s.update(ceilings(dev))
@@ -274,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
                    "torch": torch.__version__, "device_name": _device_name(dev),
                    "attention_backend_used": getattr(core.runner, "backend", None),
                    "num_pages": core.num_pages, "temperature": args.temperature,
-                   "top_p": args.top_p}  # fmt: skip
+                   "top_p": args.top_p, "settings": settings}  # fmt: skip
     params = msgspec.structs.replace(GREEDY, temperature=args.temperature, top_p=args.top_p)
     driver = Driver(core, params=params)
     mcfg = core.runner.config

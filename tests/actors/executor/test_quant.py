@@ -86,7 +86,7 @@ def test_load_model_rejects_unknown_format(tiny_model_dir):
         load_model(str(tiny_model_dir("llama")), weight_format="fp4", progress=False)
 
 
-@pytest.mark.parametrize(("fmt", "min_margin"), [("int8", 0.4), ("bf16", 0.2), ("int4", 0.2)])
+@pytest.mark.parametrize(("fmt", "min_margin"), [("int8", 0.4), ("bf16", 0.2), ("int4", 0.3)])
 def test_default_model_agrees_where_the_reference_is_clear(
     fmt, min_margin, reference, default_model, monkeypatch
 ):
@@ -94,7 +94,9 @@ def test_default_model_agrees_where_the_reference_is_clear(
     every step whose float32 top-1/top-2 margin exceeds min_margin the packed model
     picks the reference token. Low-margin steps may flip, as bf16 and llama.cpp do.
     Flips seen: int8 at margins <= 0.22, bf16 <= 0.09, int4 (near-exact for this
-    Q4_1 file, logits head at 8 bits) <= 0.06."""
+    Q4_1 file, logits head at 8 bits) <= 0.06 on hosts with AVX-512, and on an AVX2-only
+    host also at the 0.22 step where int8 flips (the int8 head's kernel rounds
+    differently there), hence int4's bound sits above int8's largest flip."""
     if fmt == "int4" and not quant.int4_supported():
         pytest.skip("no int4 weight kernel in this torch")
     monkeypatch.setattr(quant, "INT8_MAX_ROWS", 1 << 30)  # the packed kernel for every row

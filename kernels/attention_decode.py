@@ -16,8 +16,14 @@ and their lengths; nothing is padded or copied per step, and the plan's tensors 
 their addresses, which is what a CUDA graph replays. The torch path gathers the rows
 it needs from the table (one index_select); the Triton kernel reads it directly.
 
+`attention_decode_rope_store` is a decode layer's rope, KV store and attention as one
+op: it takes the step's unrotated q|k heads and v, and on CUDA hands them to the Triton
+kernel, which rotates and stores as it attends (no separate rope + store launch) when
+`FUSE_ROPE_STORE` is on; otherwise, and off CUDA, it is `rope_kv_store` then
+`attention_decode`.
+
 Invariants: the query of entry b sits at position kv_lens[b] - 1 and its own K/V are
-already in the pool (stored before attention); padding indices point at slot 0 and
+already in the pool (stored before attention; by the op itself in the fused form); padding indices point at slot 0 and
 are masked out. In a row plan, table[rows[b], :kv_lens[b]] are entry b's slots.
 """
 
@@ -30,6 +36,8 @@ import torch.nn.functional as F
 
 from shunter.kernels.page_layout import to_device
 
+FUSE_ROPE_STORE = False  # decode layers rotate and store inside the attention kernel
+
 
 @dataclass(frozen=True)
 class DecodePlan:
@@ -40,6 +48,17 @@ class DecodePlan:
     sliding_window: int | None = None  # the window the mask holds (the kernel reads this)
     rows: torch.Tensor | None = None  # [B] int64: entry b reads kv_indices[rows[b]]
     max_len: int | None = None  # host bound on kv_lens (a row plan's split count uses it)
+
+
+@dataclass(frozen=True)
+class RopeStore:
+    """What the fused decode kernel rotates and stores: the new tokens' unrotated k and
+    v ([B, Hkv, D] views of the qkv projection), the rope table and their slots."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    cos_sin_cache: torch.Tensor  # [max_pos, D] float32: cos | sin (kernels/rope.py)
+    slots: torch.Tensor  # [B] int64
 
 
 def plan_decode_rows(
@@ -128,6 +147,31 @@ def attention_decode(
             q, k_cache, v_cache, plan, scale, sliding_window=plan.sliding_window
         )
     return attention_decode_torch(q, k_cache, v_cache, plan, scale)
+
+
+def attention_decode_rope_store(
+    qk: torch.Tensor,  # [B, H + Hkv, D] unrotated q | k heads, last axis contiguous
+    v: torch.Tensor,  # [B, Hkv, D]
+    rope: tuple[torch.Tensor, torch.Tensor],  # rope_gather's operands
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,  # [B] int64: the new tokens' slots
+    num_q_heads: int,
+    plan: DecodePlan,
+    scale: float,
+) -> torch.Tensor:
+    """Rope on q and k at each entry's last position, k and v stored at slots, then
+    decode attention: [B, H, D]. On CUDA qk may be rotated in place."""
+    if qk.is_cuda and FUSE_ROPE_STORE:
+        from shunter.kernels.attention_decode_triton import attention_decode_triton
+
+        rs = RopeStore(qk[:, num_q_heads:], v, rope[1], slots)
+        return attention_decode_triton(qk[:, :num_q_heads], k_cache, v_cache, plan, scale,
+                                       sliding_window=plan.sliding_window, rope_store=rs)  # fmt: skip
+    from shunter.kernels.rope_kv_store import rope_kv_store
+
+    qk = rope_kv_store(qk, v, rope, k_cache, v_cache, slots, num_q_heads)
+    return attention_decode(qk[:, :num_q_heads], k_cache, v_cache, plan, scale)
 
 
 def attention_decode_torch(

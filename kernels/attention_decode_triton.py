@@ -21,6 +21,15 @@ last ticket reads the others' partials (its acquire makes them visible) and writ
 the output, then puts the counter back to 0 for the next launch. An entry whose keys
 fit one split writes its output directly either way. Off until measured faster.
 
+With a `RopeStore` (kernels/attention_decode.py's `attention_decode_rope_store`) the
+query arrives unrotated: every program rotates its query heads at the entry's last
+position (kv_len - 1) as it loads them, and the split holding that position first
+rotates the entry's new key, stores it and the new value at the token's slot, and
+then reads them back through the slot index like any other key (a CTA barrier orders
+its threads' stores before its loads). That replaces the rope + KV store kernel of a
+decode layer; the rounding is that kernel's (rotation in float32, rounded to the
+activation dtype, then cast to the pool's).
+
 Both kernels launch with programmatic dependent launch on Hopper (kernels/pdl.py).
 
 Invariants: the plan's kv_lens[b] >= 1 and its first kv_lens[b] index cells are valid
@@ -40,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shunter.kernels.attention_decode import DecodePlan
+from shunter.kernels.attention_decode import DecodePlan, RopeStore
 from shunter.kernels.pdl import pdl_enter, use_pdl
 
 MIN_KEYS_PER_SPLIT = 256
@@ -134,8 +143,17 @@ def _decode_split_kernel(
     mid_o_ptr,
     mid_lse_ptr,
     ticket_ptr,
+    new_k_ptr,
+    new_v_ptr,
+    new_slot_ptr,
+    cs_ptr,
     q_b_stride,
     q_h_stride,
+    new_k_b_stride,
+    new_k_h_stride,
+    new_v_b_stride,
+    new_v_h_stride,
+    cs_row_stride,
     out_b_stride,
     out_h_stride,
     cache_slot_stride,
@@ -150,6 +168,7 @@ def _decode_split_kernel(
     HAS_ROWS: tl.constexpr,
     DIRECT: tl.constexpr,
     MERGE_IN_SPLIT: tl.constexpr,
+    ROPE_STORE: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -172,17 +191,38 @@ def _decode_split_kernel(
     gm = g < group
     dm = d < head_dim
     heads = kvh * group + g  # [G] query heads of this KV head
-    q = tl.load(
-        q_ptr + b * q_b_stride + heads[:, None] * q_h_stride + d[None, :],
-        mask=gm[:, None] & dm[None, :],
-        other=0.0,
-    ).to(k_ptr.dtype.element_ty)  # [G, D]
+    q_rows = q_ptr + b * q_b_stride + heads[:, None] * q_h_stride
+    q = tl.load(q_rows + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)  # [G, D]
+    kv_base = kvh.to(tl.int64) * cache_head_stride
+    if ROPE_STORE:  # rotate q at position kv_len - 1; the last split stores the new k, v
+        half = head_dim // 2
+        first = d < half
+        partner = tl.where(first, d + half, d - half)  # the other half's element
+        cs_row = cs_ptr + (kv_len - 1).to(tl.int64) * cs_row_stride + tl.where(first, d, partner)
+        cos = tl.load(cs_row, mask=dm, other=0.0)
+        sin = tl.load(cs_row + half, mask=dm, other=0.0)
+        sin = tl.where(first, -sin, sin)
+        q_p = tl.load(q_rows + partner[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
+        q = (q.to(tl.float32) * cos[None, :] + q_p.to(tl.float32) * sin[None, :]).to(q.dtype)
+        lo, hi = _active_splits(kv_len, num_splits, window, HAS_WINDOW, BLOCK_N)
+        if split == hi - 1:
+            k_row = new_k_ptr + b * new_k_b_stride + kvh * new_k_h_stride
+            k_new = tl.load(k_row + d, mask=dm, other=0.0)
+            k_p = tl.load(k_row + partner, mask=dm, other=0.0)
+            k_new = (k_new.to(tl.float32) * cos + k_p.to(tl.float32) * sin).to(k_new.dtype)
+            v_row = new_v_ptr + b * new_v_b_stride + kvh * new_v_h_stride
+            v_new = tl.load(v_row + d, mask=dm, other=0.0)
+            slot = tl.load(new_slot_ptr + b).to(tl.int64)
+            cell = slot * cache_slot_stride + kv_base + d
+            tl.store(k_ptr + cell, k_new.to(k_ptr.dtype.element_ty), mask=dm)
+            tl.store(v_ptr + cell, v_new.to(v_ptr.dtype.element_ty), mask=dm)
+            tl.debug_barrier()  # the stores land before this program's loads read them
+    q = q.to(k_ptr.dtype.element_ty)
     if UPCAST:
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    kv_base = kvh.to(tl.int64) * cache_head_stride
     idx_base = idx_ptr + idx_row * idx_b_stride
     for n0 in range(start, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
@@ -317,11 +357,13 @@ def attention_decode_triton(
     sliding_window: int | None = None,
     num_splits: int | None = None,
     merge_in_split: bool | None = None,
+    rope_store: RopeStore | None = None,
 ) -> torch.Tensor:
     """q: [B, H, D]; k_cache, v_cache: [num_slots, Hkv, D] -> [B, H, D].
     `plan` from `plan_decode` (its kv_indices and kv_lens on q's device); its mask is
     not read: padding is cut by kv_lens and the window by `sliding_window`.
-    merge_in_split: None takes MERGE_IN_SPLIT."""
+    merge_in_split: None takes MERGE_IN_SPLIT. rope_store: q is unrotated, and the new
+    token's k and v are rotated / stored here (the module docstring)."""
     bsz, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     assert q.stride(-1) == 1, "attention_decode_triton needs a contiguous dim axis"
@@ -350,6 +392,12 @@ def attention_decode_triton(
     in_split = MERGE_IN_SPLIT if merge_in_split is None else merge_in_split
     pdl = use_pdl(q)
     tickets = _tickets(q.device, bsz * num_kv_heads) if in_split and not direct else plan.kv_lens
+    rs = rope_store
+    if rs is not None:
+        assert rs.k.shape == (bsz, num_kv_heads, head_dim) and rs.v.shape == rs.k.shape
+        assert rs.k.stride(-1) == 1 and rs.v.stride(-1) == 1
+        assert rs.slots.shape == (bsz,) and rs.cos_sin_cache.dtype == torch.float32
+        assert rs.cos_sin_cache.shape[-1] == head_dim and head_dim % 2 == 0
     if direct:
         mid_o = mid_lse = out  # unused
     else:
@@ -368,8 +416,17 @@ def attention_decode_triton(
         mid_o,
         mid_lse,
         tickets,
+        rs.k if rs else q,  # unread without a RopeStore
+        rs.v if rs else q,
+        rs.slots if rs else plan.kv_lens,
+        rs.cos_sin_cache if rs else q,
         q.stride(0),
         q.stride(1),
+        rs.k.stride(0) if rs else 0,
+        rs.k.stride(1) if rs else 0,
+        rs.v.stride(0) if rs else 0,
+        rs.v.stride(1) if rs else 0,
+        rs.cos_sin_cache.stride(0) if rs else 0,
         out.stride(0),
         out.stride(1),
         k_cache.stride(0),
@@ -384,6 +441,7 @@ def attention_decode_triton(
         HAS_ROWS=has_rows,
         DIRECT=direct,
         MERGE_IN_SPLIT=in_split,
+        ROPE_STORE=rs is not None,
         IEEE=k_cache.dtype == torch.float32 or INTERPRETED,
         UPCAST=INTERPRETED,
         BLOCK_G=max(triton.next_power_of_2(group), 16),

@@ -51,6 +51,11 @@ class AttentionContext:
     flashinfer: Any = None
     flashinfer_mode: str = "decode"
 
+    @property
+    def decode_only(self) -> bool:
+        """Every entry is one token, attended by the decode kernels (not flashinfer)."""
+        return self.flashinfer is None and self.extend_plan is None and self.decode_plan is not None
+
 
 @dataclass(frozen=True)
 class RowDecode:

@@ -28,6 +28,7 @@ from torch import nn
 
 from shunter.actors.executor.models.attention import AttentionContext, paged_attention
 from shunter.actors.executor.models.config import ModelConfig
+from shunter.kernels.attention_decode import attention_decode_rope_store
 from shunter.kernels.linear import linear, norm_linear, silu_mul_linear
 from shunter.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from shunter.kernels.rope import rope_cos_sin_cache, rope_gather, rope_rotate
@@ -97,9 +98,13 @@ class LlamaAttention(nn.Module):
             q, k = rope_rotate(q, *rope), rope_rotate(k, *rope)
             stored = False
         else:  # q and k rotated in one pass ([T, H + Hkv, D]) that also stores k and v
-            i = self.layer_idx
-            qk = rope_kv_store(qkv[:, :qk_size].view(num_tokens, -1, self.head_dim), v, rope,
-                               ctx.k_buffers[i], ctx.v_buffers[i], ctx.out_slots, self.num_heads)  # fmt: skip
+            i, qk = self.layer_idx, qkv[:, :qk_size].view(num_tokens, -1, self.head_dim)
+            kv = (ctx.k_buffers[i], ctx.v_buffers[i], ctx.out_slots)
+            if ctx.decode_only:  # rope and store may run inside the decode kernel
+                o = attention_decode_rope_store(qk, v, rope, *kv, self.num_heads,
+                                                ctx.decode_plan, self.scale)  # fmt: skip
+                return project(self.o_proj, o.reshape(num_tokens, self.q_size))
+            qk = rope_kv_store(qk, v, rope, *kv, self.num_heads)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             stored = True
         o = paged_attention(ctx, self.layer_idx, q, k, v, self.scale, stored=stored)  # [T, H, D]

@@ -8,7 +8,8 @@ slots gathered through the plan's slot index (a padded [B, max_len] index, or ro
 rows[b] of a row table; any page size: a slot is read per token, each row one
 contiguous Hkv*D run), and keeps an online softmax. With one split it writes the
 output directly; otherwise it writes a float32 partial output and its log-sum-exp,
-and stage 2 (one program per entry and query head) merges the splits. The number of
+and stage 2 (one program per entry and query head) merges the splits; both stages'
+split arithmetic lives in kernels/attention_decode_merge_triton.py. The number of
 splits is chosen on the host from the plan's length bound (no device sync) to give
 the GPU about four programs per multiprocessor; each entry divides its own kv_len
 over them (read on the device), so a captured step balances whatever lengths it
@@ -50,6 +51,12 @@ import triton
 import triton.language as tl
 
 from shunter.kernels.attention_decode import DecodePlan, RopeStore
+from shunter.kernels.attention_decode_merge_triton import (
+    active_splits,
+    decode_merge_kernel,
+    merge_partials,
+    split_keys,
+)
 from shunter.kernels.pdl import pdl_enter, use_pdl
 
 MIN_KEYS_PER_SPLIT = 256
@@ -83,52 +90,6 @@ def fix_interpreter_loop_bounds() -> None:
 
 if INTERPRETED:
     fix_interpreter_loop_bounds()
-
-
-@triton.jit
-def _split_keys(kv_len, split, num_splits, window, HAS_WINDOW: tl.constexpr,
-                BLOCK_N: tl.constexpr):  # fmt: skip
-    """[start, end) of the keys split(s) `split` (a scalar or a vector) attend: an
-    entry's own keys divided evenly, in whole blocks, over the splits, cut to the window."""
-    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, kv_len)
-    if HAS_WINDOW:
-        start = tl.maximum(start, kv_len - window)
-    return start, end
-
-
-@triton.jit
-def _active_splits(kv_len, num_splits, window, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[lo, hi): the splits `_split_keys` gives keys to (a contiguous run)."""
-    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    hi = tl.cdiv(kv_len, chunk)
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(kv_len - window, 0) // chunk
-    return lo, hi
-
-
-@triton.jit
-def _merge_partials(mid_o_ptr, mid_lse_ptr, row0, lo, hi, gm, d, dm,
-                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
-    """[G, D] merge of splits lo..hi-1's partials (rows row0 + split, [G]), read past
-    L1 (other programs wrote them)."""
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    den = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for sp in range(lo, hi):
-        row = row0 + sp
-        lse = tl.load(mid_lse_ptr + row, mask=gm, other=0.0, cache_modifier=".cg")
-        o = tl.load(mid_o_ptr + row[:, None] * BLOCK_D + d[None, :],
-                    mask=gm[:, None] & dm[None, :], other=0.0, cache_modifier=".cg")  # fmt: skip
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp(m - m_new)
-        w = tl.exp(lse - m_new)
-        acc = acc * alpha[:, None] + o * w[:, None]
-        den = den * alpha + w
-        m = m_new
-    return acc / tl.where(gm, den, 1.0)[:, None]
 
 
 @triton.jit
@@ -185,7 +146,7 @@ def _decode_split_kernel(
         idx_row = tl.load(rows_ptr + b).to(tl.int64)
     else:
         idx_row = b
-    start, end = _split_keys(kv_len, split, num_splits, window, HAS_WINDOW, BLOCK_N)
+    start, end = split_keys(kv_len, split, num_splits, window, HAS_WINDOW, BLOCK_N)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     gm = g < group
@@ -204,7 +165,7 @@ def _decode_split_kernel(
         sin = tl.where(first, -sin, sin)
         q_p = tl.load(q_rows + partner[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
         q = (q.to(tl.float32) * cos[None, :] + q_p.to(tl.float32) * sin[None, :]).to(q.dtype)
-        lo, hi = _active_splits(kv_len, num_splits, window, HAS_WINDOW, BLOCK_N)
+        lo, hi = active_splits(kv_len, num_splits, window, HAS_WINDOW, BLOCK_N)
         if split == hi - 1:
             k_row = new_k_ptr + b * new_k_b_stride + kvh * new_k_h_stride
             k_new = tl.load(k_row + d, mask=dm, other=0.0)
@@ -256,7 +217,7 @@ def _decode_split_kernel(
     if DIRECT:
         tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=om)
     elif MERGE_IN_SPLIT:
-        lo, hi = _active_splits(kv_len, num_splits, window, HAS_WINDOW, BLOCK_N)
+        lo, hi = active_splits(kv_len, num_splits, window, HAS_WINDOW, BLOCK_N)
         if hi - lo == 1:  # the entry's only split with keys: no partial, no merge
             if start < end:
                 tl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=om)
@@ -268,7 +229,7 @@ def _decode_split_kernel(
             tl.debug_barrier()  # every thread's stores are issued before the release
             ticket = ticket_ptr + b * tl.num_programs(1) + kvh
             if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == hi - lo - 1:
-                merged = _merge_partials(mid_o_ptr, mid_lse_ptr, row0, lo, hi, gm, d, dm,
+                merged = merge_partials(mid_o_ptr, mid_lse_ptr, row0, lo, hi, gm, d, dm,
                                          BLOCK_G, BLOCK_D)  # fmt: skip
                 tl.store(out_rows, merged.to(out_ptr.dtype.element_ty), mask=om)
                 tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")  # ready for the next launch
@@ -277,46 +238,6 @@ def _decode_split_kernel(
         tl.store(mid_o_ptr + row[:, None] * BLOCK_D + d[None, :], o, mask=om)
         lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(mid_lse_ptr + row, lse, mask=gm)
-
-
-@triton.jit
-def _decode_merge_kernel(
-    mid_o_ptr,
-    mid_lse_ptr,
-    lens_ptr,
-    out_ptr,
-    out_b_stride,
-    out_h_stride,
-    num_heads,
-    num_splits,
-    head_dim,
-    window,
-    HAS_WINDOW: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    pdl_enter(USE_PDL)
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    sp = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    # the splits stage 1 gave keys to (the same ranges); the others wrote nothing
-    kv_len = tl.load(lens_ptr + b).to(tl.int32)
-    start, end = _split_keys(kv_len, sp, num_splits, window, HAS_WINDOW, BLOCK_N)
-    sm = (sp < num_splits) & (start < end)
-    row = (b * num_heads + h) * num_splits + sp  # [S]
-    lse = tl.load(mid_lse_ptr + row, mask=sm, other=float("-inf"))
-    m = tl.max(lse, 0)
-    w = tl.where(sm, tl.exp(lse - m), 0.0)  # skipped splits weigh 0
-    o = tl.load(mid_o_ptr + row[:, None] * BLOCK_D + d[None, :], mask=sm[:, None], other=0.0)
-    o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(
-        out_ptr + b * out_b_stride + h * out_h_stride + d,
-        o.to(out_ptr.dtype.element_ty),
-        mask=d < head_dim,
-    )
 
 
 _TICKETS: dict[torch.device, torch.Tensor] = {}
@@ -452,7 +373,7 @@ def attention_decode_triton(
         launch_pdl=pdl,
     )
     if not direct and not in_split:
-        _decode_merge_kernel[(bsz, num_heads)](
+        decode_merge_kernel[(bsz, num_heads)](
             mid_o,
             mid_lse,
             plan.kv_lens,

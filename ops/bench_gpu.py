@@ -16,7 +16,8 @@ Theory of operation
          tok/s = B * steps / time, with its roofline fraction too.
       4. prefill of one --prefill-len prompt (best of --repeats): tok/s and MFU, model
          FLOPs (`prefill_flops`) / time against the datasheet peak and against the
-         measured matmul rate.
+         measured matmul rate; and that run's host time before the model's first
+         launch (the device idles meanwhile: batch building, checks, staging).
       5. HF transformers `generate` on the same weights (bench_gpu_hf.py) at bs=1 and at
          the batch sizes <= 64 (--hf-new-tokens each): decode tok/s and our ratio.
       6. offline: --offline-requests random requests of --offline-input-len tokens, each
@@ -195,20 +196,32 @@ def roofline_frac(c: ModelConfig, tok_s: float, bs: int, prompt_len: int, steps:
     return tok_s / (bs * copy_gbs * 1e9 / nbytes)
 
 
-def bench_prefill(driver: Driver, prompt: list[int], repeats: int) -> float:
-    """Best seconds of one whole-prompt prefill (one batch) over `repeats` runs."""
+def bench_prefill(driver: Driver, prompt: list[int], repeats: int) -> tuple[float, float]:
+    """(best seconds of one whole-prompt prefill (one batch) over `repeats` runs, the
+    host seconds of that run from its start to the model's first launch: the time the
+    device idles before the step, spent building, checking and staging the batch)."""
     dev = driver.core.runner.device
-    best = float("inf")
-    for i in tqdm(range(repeats + 1), desc="prefill", unit="run", file=sys.stderr, leave=False):
-        driver.close_all()
-        _sync(dev)
-        t0 = time.perf_counter()
-        driver.prefill([prompt], len(prompt))
-        _sync(dev)
-        if i:  # the first run warms up
-            best = min(best, time.perf_counter() - t0)
+    best, host, entered = float("inf"), 0.0, [0.0]
+
+    def mark(_module, _args) -> None:
+        entered[0] = time.perf_counter()
+
+    hook = driver.core.runner.model.register_forward_pre_hook(mark)
+    try:
+        for i in tqdm(range(repeats + 1), desc="prefill", unit="run", file=sys.stderr,
+                      leave=False):  # fmt: skip
+            driver.close_all()
+            _sync(dev)
+            t0 = time.perf_counter()
+            driver.prefill([prompt], len(prompt))
+            _sync(dev)
+            dt = time.perf_counter() - t0
+            if i and dt < best:  # the first run warms up
+                best, host = dt, entered[0] - t0
+    finally:
+        hook.remove()
     driver.close_all()
-    return best
+    return best, host
 
 
 # ---- the run -------------------------------------------------------------------------------
@@ -325,10 +338,13 @@ def run(args: argparse.Namespace) -> int:
             _say(f"bs={bs} decode, {args.kernel_profile} steps profiled:\n"
                  + format_rows(kp, args.kernel_profile))  # fmt: skip
     (prompt,) = random_prompts(1, args.prefill_len, vocab, args.seed)
-    dt = bench_prefill(driver, prompt, args.repeats)
+    dt, host_s = bench_prefill(driver, prompt, args.repeats)
     flops = prefill_flops(mcfg, len(prompt))
     s["prefill_tok_s"], s["prefill_tflops"] = len(prompt) / dt, flops / dt / 1e12
-    line = f"prefill {len(prompt)} tokens: {s['prefill_tok_s']:.0f} tok/s, {s['prefill_tflops']:.0f} TFLOP/s"
+    s["prefill_host_ms"] = host_s * 1e3
+    line = (f"prefill {len(prompt)} tokens: {s['prefill_tok_s']:.0f} tok/s, "
+            f"{s['prefill_tflops']:.0f} TFLOP/s, {host_s * 1e3:.2f} ms on the host before "
+            "the model")  # fmt: skip
     if dev.type == "cuda":
         s["prefill_mfu"] = flops / dt / H200_PEAK_BF16_FLOPS
         s["prefill_frac_of_matmul"] = s["prefill_tflops"] / s["matmul_tflops"]

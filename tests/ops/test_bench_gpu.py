@@ -157,6 +157,7 @@ def test_whole_run_on_a_cpu_at_toy_sizes(tmp_path, capsys):
                 "decode_bs2_vs_hf", "offline_output_tok_s"):  # fmt: skip
         assert summary[key] > 0, key
     assert summary["bs1_greedy_agree_tokens"] == 4
+    assert 0 < summary["prefill_host_ms"] < 1e3 * 64 / summary["prefill_tok_s"]
     assert summary["config"]["attention_backend"] == "auto"
     assert summary["config"]["attention_backend_used"] == "torch"
     assert summary["offline_steps"] == 4  # one prefill of all three, then three decodes

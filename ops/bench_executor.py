@@ -40,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 from shunter.bus.messages import LAST_SAMPLED, ForwardBatch, RowOpen, SamplingParams
-from shunter.ops import bench_gpu
+from shunter.ops import bench_gpu, bench_settings
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=1 << 20)
 
@@ -285,6 +285,11 @@ def bench_decode(
 def run(args: argparse.Namespace) -> int:
     if args.device != "cpu":
         return bench_gpu.run(args)
+    try:
+        settings = bench_settings.apply(args.set or [])
+    except ValueError as e:
+        print(f"bench executor: {e}", file=sys.stderr)
+        return 2
     for k, v in CPU_DEFAULTS.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -308,7 +313,8 @@ def run(args: argparse.Namespace) -> int:
         _say(f"hf:   loaded in {time.perf_counter() - t0:.1f} s")
     vocab = ours.core.vocab_size
     summary: dict = {"dtype": args.dtype, "threads": args.threads, "decode_steps": args.decode_steps,
-                     "prefill_len": args.prefill_len, "decode_prompt_len": args.decode_prompt_len}  # fmt: skip
+                     "prefill_len": args.prefill_len, "decode_prompt_len": args.decode_prompt_len,
+                     "settings": settings}  # fmt: skip
 
     (prompt,) = _random_prompts(1, args.prefill_len, vocab, args.seed)
     summary.update(bench_prefill(ours, hf, prompt, args.repeats))
@@ -338,5 +344,8 @@ def run(args: argparse.Namespace) -> int:
             line += (f", hf {summary[f'hf_{key}']:.1f} tok/s, x{summary[f'decode_bs{bs}_vs_hf']:.2f}"
                      f" (first 4 tokens agree in {agree}/{bs} rows)")  # fmt: skip
         _say(line)
-    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()}))
+    out = json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()})
+    if args.out:
+        pathlib.Path(args.out).write_text(out + "\n")
+    print(out)
     return 0

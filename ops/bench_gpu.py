@@ -99,10 +99,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0,
                    help="sampling of every row (default 0: greedy)")  # fmt: skip
     g.add_argument("--top-p", type=float, default=1.0, help="sampling of every row")
+    g.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    g = p.add_argument_group("both modes")
     g.add_argument("--set", action="append", default=[], metavar="MODULE.CONSTANT=VALUE",
                    help="change a module constant before the run, e.g. "
                         "kernels.linear.SKINNY_MAX_ROWS=0 (repeatable; bench_settings.py)")  # fmt: skip
-    g.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     g.add_argument("--out", default=None, help="also write the JSON summary here")
 
 

@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("shunter.ops.launch", "run one actor in this process (used by --multi-process)"),
 }
 BENCHMARKS: dict[str, tuple[str, str]] = {
+    "ab": ("shunter.ops.bench_ab", "the executor bench for variants of module settings, as ratios"),
     "bus": ("shunter.ops.bench_bus", "message codec and transport latency/throughput"),
     "executor": ("shunter.ops.bench_executor", "model forward speed, beside HF transformers"),
     "gemv": ("shunter.ops.bench_gemv", "one-row GEMV tile configs at decode projection shapes"),

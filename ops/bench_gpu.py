@@ -254,10 +254,10 @@ def build(args: argparse.Namespace, model_dir: pathlib.Path, dummy: bool, sizes:
     from shunter.actors.executor.build import build_core
     from shunter.actors.executor.config import ExecutorConfig
 
-    # every phase warms itself (an untimed first run), so the start-up warm-up is skipped
+    # the start-up warm-up stays: without it a first mixed step (the offline run's)
+    # could compile a flashinfer kernel inside a timed region
     cfg = ExecutorConfig(
         model_path=str(model_dir), load_format="dummy" if dummy else "auto", device=args.device,
-        skip_server_warmup=True,
         dtype=args.dtype, page_size=args.page_size, seed=args.seed,
         weight_format=args.weight_format, attention_backend=args.attention_backend,
         decode_attention_backend=args.decode_attention_backend,

@@ -60,7 +60,6 @@ def test_the_bench_records_its_settings_and_refuses_bad_ones(restore, capsys):
     assert bg.run(args) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["config"]["settings"] == {"kernels.linear.FUSE_NORM": True}
-    assert summary["config"]["skip_server_warmup"] is True
     args = build_parser(common).parse_args([*common, "--set", "kernels.linear.NOPE=1"])
     assert bg.run(args) == 2
     assert "has no NOPE" in capsys.readouterr().err

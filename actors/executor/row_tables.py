@@ -16,12 +16,9 @@ from collections.abc import Sequence
 
 import torch
 
-from shunter.actors.executor.slot_table import long_tensor
+from shunter.actors.executor.slot_table import SLICE_MAX_ENTRIES, long_tensor
 
 ROW_CHUNK = 64  # tables grow by at least this many rows
-# append_pages writes up to this many entries as slices (a long prefill: one slice, not
-# 8k-element index tensors); more (a decode batch, a page or none each) in one scatter
-SLICE_MAX_ENTRIES = 8
 
 
 class RowTables:
@@ -63,7 +60,7 @@ class RowTables:
     ) -> None:
         """Entry e's num_new_pages[e] pages (consecutive in new_pages) go to row rows[e]'s
         page cells base_pages[e] onwards."""
-        if len(rows) <= SLICE_MAX_ENTRIES:  # a slice per entry: no index tensors to build
+        if len(rows) <= SLICE_MAX_ENTRIES:  # a slice per entry (slot_table.py says why)
             new, off = long_tensor(new_pages), 0
             for r, b, k in zip(rows, base_pages, num_new_pages, strict=True):
                 self.pages[r, b : b + k] = new[off : off + k]

@@ -41,6 +41,9 @@ import torch
 from shunter.kernels.page_layout import to_device
 
 RING = 8  # staging buffers; the host runs at most this many copies ahead of the device
+# Batches of up to this many entries write their rows' cells as slices (a long prefill:
+# one slice copy, no 8k-element index vectors); larger ones in one scatter.
+SLICE_MAX_ENTRIES = 8
 
 
 def long_tensor(values: Sequence[int]) -> torch.Tensor:
@@ -144,6 +147,13 @@ class DeviceSlotTable:
         counts = long_tensor([t.shape[0] for t in slots])
         num = int(counts.sum())
         if num == 0:
+            return
+        if len(rows) <= SLICE_MAX_ENTRIES:  # a slice per entry: only the slots travel
+            dev = self.stager.stage([torch.cat(slots).long()])
+            off = 0
+            for r, lo, st in zip(rows, starts, slots, strict=True):
+                self.table[r, lo : lo + st.shape[0]].copy_(dev[off : off + st.shape[0]])
+                off += st.shape[0]
             return
         if num == len(rows):  # one cell per entry (decode): no expansion
             row_of, pos_of = long_tensor(rows), long_tensor(starts)

@@ -254,6 +254,27 @@ def test_slot_table_decode_fast_path_writes_and_checks():
         t.update([0], [False], [1], [9], [torch.arange(9)], torch.tensor([8]))
 
 
+@pytest.mark.parametrize("num_rows", [3, 12])  # slices per entry; one scatter
+def test_slot_table_writes_fresh_and_extended_rows(num_rows):
+    """The generic path (prefills, extends, fresh rows with a prefix) leaves every row
+    of the device table equal to its host slot table, whichever way it writes."""
+    from shunter.actors.executor.slot_table import SLICE_MAX_ENTRIES, DeviceSlotTable
+
+    assert (num_rows <= SLICE_MAX_ENTRIES) == (num_rows == 3)
+    g = torch.Generator().manual_seed(num_rows)
+    t = DeviceSlotTable(num_rows, 64, pad_slot=999, device=torch.device("cpu"))
+    host = [torch.randperm(900, generator=g)[:40] for _ in range(num_rows)]
+    lens = [5 + 2 * r for r in range(num_rows)]
+    rows = list(range(num_rows))
+    t.update(rows, [True] * num_rows, lens, lens, [h[:n] for h, n in zip(host, lens)])
+    more = [1 + r % 4 for r in rows]  # then extend every row by 1-4 tokens
+    ends = [n + m for n, m in zip(lens, more)]
+    t.update(rows, [False] * num_rows, more, ends, [h[:e] for h, e in zip(host, ends)])
+    for r, e in zip(rows, ends):
+        assert t.table[r, :e].tolist() == host[r][:e].tolist()
+    assert t.table[num_rows, 0] == 999
+
+
 def test_long_tensor_equals_torch_tensor_of_the_list():
     from shunter.actors.executor.slot_table import long_tensor
 

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from shunter.kernels.page_layout import to_device
+from shunter.kernels.rope_kv_store import rope_kv_store
 
 FUSE_ROPE_STORE = False  # decode layers rotate and store inside the attention kernel
 
@@ -168,8 +169,6 @@ def attention_decode_rope_store(
         rs = RopeStore(qk[:, num_q_heads:], v, rope[1], slots)
         return attention_decode_triton(qk[:, :num_q_heads], k_cache, v_cache, plan, scale,
                                        sliding_window=plan.sliding_window, rope_store=rs)  # fmt: skip
-    from shunter.kernels.rope_kv_store import rope_kv_store
-
     qk = rope_kv_store(qk, v, rope, k_cache, v_cache, slots, num_q_heads)
     return attention_decode(qk[:, :num_q_heads], k_cache, v_cache, plan, scale)
 

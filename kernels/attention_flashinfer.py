@@ -14,8 +14,8 @@ its plan to the device asynchronously); every layer then calls `decode` / `exten
 which only launch kernels. `plan_extend` and `plan_prefill` check their layout at
 once but call flashinfer's planner at the step's first `extend` / `prefill`: by then
 the first layer's projections are queued, so the device computes them while the host
-plans (about a millisecond before an 8k-token prefill). Extend is causal within the new tokens, aligned to the end of the KV
-(flashinfer's causal mask for append). A sliding window of w keys is flashinfer's
+plans (about a millisecond before an 8k-token prefill). Extend is causal within the
+new tokens, aligned to the end of the KV (flashinfer's causal mask for append). A sliding window of w keys is flashinfer's
 window_left = w - 1. The softmax scale arrives with the query: plans fix sm_scale at
 1 and runs pass q_scale=scale (flashinfer multiplies them). A prefill whose
 entries have no cached prefix (every KV token is new) attends the step's own q/k/v

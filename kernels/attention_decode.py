@@ -23,8 +23,9 @@ kernel, which rotates and stores as it attends (no separate rope + store launch)
 `attention_decode`.
 
 Invariants: the query of entry b sits at position kv_lens[b] - 1 and its own K/V are
-already in the pool (stored before attention; by the op itself in the fused form); padding indices point at slot 0 and
-are masked out. In a row plan, table[rows[b], :kv_lens[b]] are entry b's slots.
+already in the pool (stored before attention; by the op itself in the fused form);
+padding indices point at slot 0 and are masked out. In a row plan,
+table[rows[b], :kv_lens[b]] are entry b's slots.
 """
 
 from __future__ import annotations

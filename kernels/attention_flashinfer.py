@@ -3,29 +3,28 @@ flashinfer path beside kernels/attention_decode_triton.py and
 kernels/attention_extend_triton.py, with the same semantics as `attention_decode_ref`
 and `attention_extend_ref`.
 
-Theory of operation: the pool's per-layer k_cache / v_cache [num_slots, Hkv, D]
-(slot = page * page_size + offset) are viewed as [num_pages, page_size, Hkv, D],
-which is flashinfer's NHD paged layout, so no KV is copied. An entry's KV is named by
-its page ids (kv_indices, on the device) and two host arrays: kv_indptr (where each
-entry's pages start in kv_indices) and kv_last_page_len (tokens in its last page);
+Theory of operation: the pool's per-layer k_cache / v_cache [num_slots, Hkv, D] (slot =
+page * page_size + offset) are viewed as [num_pages, page_size, Hkv, D], which is
+flashinfer's NHD paged layout, so no KV is copied. An entry's KV is named by its page
+ids (kv_indices, on the device) and two host arrays: kv_indptr (where each entry's pages
+start in kv_indices) and kv_last_page_len (tokens in its last page);
 kernels/page_layout.py builds them without waiting for the device. Once per step,
-`plan_*` hands these to flashinfer (which schedules the work on the host and copies
-its plan to the device asynchronously); every layer then calls `decode` / `extend`,
-which only launch kernels. `plan_extend` and `plan_prefill` check their layout at
-once but call flashinfer's planner at the step's first `extend` / `prefill`: by then
-the first layer's projections are queued, so the device computes them while the host
-plans (about a millisecond before an 8k-token prefill). Extend is causal within the
-new tokens, aligned to the end of the KV (flashinfer's causal mask for append). A sliding window of w keys is flashinfer's
-window_left = w - 1. The softmax scale arrives with the query: plans fix sm_scale at
-1 and runs pass q_scale=scale (flashinfer multiplies them). A prefill whose
-entries have no cached prefix (every KV token is new) attends the step's own q/k/v
-through the ragged wrapper (`plan_prefill` / `prefill`; fa3 on Hopper), with no page
-indices at all. Decode uses the
-tensor-core (prefill) kernel for GQA groups of 4 and more, and for the group sizes
-the CUDA-core decode kernel is not compiled for (it has 1, 2, 3, 4 and 8).
-`GraphDecode` is a decode wrapper in flashinfer's CUDA-graph mode: its indptr,
-last-page and page-id buffers never move, `plan` copies into them (stream-ordered),
-and `decode` is what a graph captures.
+`plan_*` hands these to flashinfer (which schedules the work on the host and copies its
+plan to the device asynchronously); every layer then calls `decode` / `extend`, which
+only launch kernels. `plan_extend` and `plan_prefill` check their layout at once but
+call flashinfer's planner at the step's first `extend` / `prefill`: by then the first
+layer's projections are queued, so the device computes them while the host plans (about
+a millisecond before an 8k-token prefill). Extend is causal within the new tokens,
+aligned to the end of the KV (flashinfer's causal mask for append). A sliding window of
+w keys is flashinfer's window_left = w - 1. The softmax scale arrives with the query:
+plans fix sm_scale at 1 and runs pass q_scale=scale (flashinfer multiplies them). A
+prefill whose entries have no cached prefix (every KV token is new) attends the step's
+own q/k/v through the ragged wrapper (`plan_prefill` / `prefill`; fa3 on Hopper), with
+no page indices at all. Decode uses the tensor-core (prefill) kernel for GQA groups of 4
+and more, and for the group sizes the CUDA-core decode kernel is not compiled for (it
+has 1, 2, 3, 4 and 8). `GraphDecode` is a decode wrapper in flashinfer's CUDA-graph
+mode: its indptr, last-page and page-id buffers never move, `plan` copies into them
+(stream-ordered), and `decode` is what a graph captures.
 
 Invariants:
 - One float workspace per FlashInferAttention, shared by all its wrappers (kernels

@@ -14,7 +14,8 @@ process fails is reported with its exit status and stderr tail, and the command
 fails. The JSON summary (per variant, per metric: every round's value and the
 median; the ratios) is the last stdout line.
 
-    shunter bench ab --variant base= --variant fused='kernels.attention_decode.FUSE_ROPE_STORE=True' \\
+    shunter bench ab --variant base= \\
+        --variant fused='kernels.attention_decode.FUSE_ROPE_STORE=True' \\
         --rounds 2 -- --device cuda --batch-sizes 1 --skip-hf --prefill-len 512
 """
 

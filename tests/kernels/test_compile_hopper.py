@@ -8,7 +8,10 @@ of one thread between CTA barriers."""
 
 from __future__ import annotations
 
+import importlib
 import itertools
+import os
+import sys
 
 import pytest
 
@@ -18,11 +21,35 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 if "nvidia" not in getattr(triton.backends, "backends", {}):
     pytest.skip("this Triton has no NVIDIA backend", allow_module_level=True)
 
-from shunter.kernels import attention_decode_merge_triton as amt  # noqa: E402
-from shunter.kernels import attention_decode_triton as adt  # noqa: E402
-from shunter.kernels import linear_triton as lt  # noqa: E402
-
 HOPPER = GPUTarget("cuda", 90, 32)
+# Loaded afresh without TRITON_INTERPRET, which the CPU kernel tests set before they
+# import these modules (their kernels are then interpreted functions, which do not
+# compile); the modules they share are put back after.
+FRESH = ("shunter.kernels.pdl", "shunter.kernels.attention_decode_merge_triton",
+         "shunter.kernels.attention_decode_triton", "shunter.kernels.linear_triton")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    import shunter.kernels as package
+
+    saved = {n: sys.modules.pop(n, None) for n in FRESH}
+    interpret = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        fresh = {n.rsplit(".", 1)[1]: importlib.import_module(n) for n in FRESH}
+    finally:
+        if interpret is not None:
+            os.environ["TRITON_INTERPRET"] = interpret
+        for n, mod in saved.items():
+            short = n.rsplit(".", 1)[1]
+            if mod is None:
+                sys.modules.pop(n, None)
+                if hasattr(package, short):
+                    delattr(package, short)
+            else:
+                sys.modules[n] = mod
+                setattr(package, short, mod)
+    return fresh
 
 
 def _compile(fn, pointers: dict[str, str], consts: dict, num_warps: int = 4):
@@ -44,11 +71,11 @@ DECODE_POINTERS = {
 @pytest.mark.parametrize(("rope", "merge", "direct", "window"),
                          [v for v in itertools.product((False, True), repeat=4)
                           if not (v[1] and v[2])])  # fmt: skip
-def test_decode_split_kernel_variants_build_for_hopper(rope, merge, direct, window):
+def test_decode_split_kernel_variants_build_for_hopper(kernels, rope, merge, direct, window):
     consts = dict(HAS_WINDOW=window, HAS_ROWS=True, DIRECT=direct, MERGE_IN_SPLIT=merge,
                   ROPE_STORE=rope, IEEE=False, UPCAST=False, BLOCK_G=16, BLOCK_N=64,
                   BLOCK_D=128, USE_PDL=True)  # fmt: skip
-    k = _compile(adt._decode_split_kernel, DECODE_POINTERS, consts)
+    k = _compile(kernels["attention_decode_triton"]._decode_split_kernel, DECODE_POINTERS, consts)
     ptx = k.asm["ptx"]
     tickets = [ln for ln in ptx.splitlines() if "atom.global" in ln]
     if merge:  # one add (acq_rel, gpu scope) and one reset, each predicated to a thread
@@ -59,15 +86,17 @@ def test_decode_split_kernel_variants_build_for_hopper(rope, merge, direct, wind
         assert not tickets
 
 
-def test_decode_merge_kernel_builds_for_hopper():
+def test_decode_merge_kernel_builds_for_hopper(kernels):
     pointers = {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "lens_ptr": "*i32",
                 "out_ptr": "*bf16"}  # fmt: skip
     consts = dict(HAS_WINDOW=False, BLOCK_N=64, BLOCK_S=128, BLOCK_D=128, USE_PDL=True)
-    _compile(amt.decode_merge_kernel, pointers, consts)
+    _compile(kernels["attention_decode_merge_triton"].decode_merge_kernel, pointers, consts)
 
 
-@pytest.mark.parametrize("prologue", [lt.PLAIN, lt.SILU_MUL, lt.ADD_RMSNORM])
-def test_gemv_kernel_configs_build_for_hopper(prologue):
+@pytest.mark.parametrize("prologue", ["PLAIN", "SILU_MUL", "ADD_RMSNORM"])
+def test_gemv_kernel_configs_build_for_hopper(kernels, prologue):
+    lt = kernels["linear_triton"]
+    prologue = getattr(lt, prologue)
     pointers = {n: "*bf16" for n in ("x_ptr", "res_ptr", "norm_w_ptr", "res_out_ptr", "w_ptr",
                                      "b_ptr", "y_ptr")}  # fmt: skip
     pointers["eps"] = "fp32"

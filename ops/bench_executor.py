@@ -285,10 +285,8 @@ def bench_decode(
 def run(args: argparse.Namespace) -> int:
     if args.device != "cpu":
         return bench_gpu.run(args)
-    try:
-        settings = bench_settings.apply(args.set or [])
-    except ValueError as e:
-        print(f"bench executor: {e}", file=sys.stderr)
+    settings = bench_settings.apply_or_report(args.set, "bench executor")
+    if settings is None:
         return 2
     for k, v in CPU_DEFAULTS.items():
         if getattr(args, k) is None:

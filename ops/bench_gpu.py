@@ -277,10 +277,8 @@ def run(args: argparse.Namespace) -> int:
     if not batch_sizes or min(batch_sizes) < 1 or args.decode_steps < 1:
         print("bench executor: batch sizes and --decode-steps must be >= 1", file=sys.stderr)
         return 2
-    try:
-        settings = bench_settings.apply(getattr(args, "set", None) or [])
-    except ValueError as e:
-        print(f"bench executor: {e}", file=sys.stderr)
+    settings = bench_settings.apply_or_report(args.set, "bench executor")
+    if settings is None:
         return 2
     s: dict = {}
     if dev.type == "cuda":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import sys
 from typing import Any
 
 PACKAGE = "shunter"
@@ -50,3 +51,13 @@ def apply(texts: list[str]) -> dict[str, Any]:
     for mod, _, const, value in changes:
         setattr(mod, const, value)
     return {name: value for _, name, _, value in changes}
+
+
+def apply_or_report(texts: list[str] | None, prog: str) -> dict[str, Any] | None:
+    """`apply(texts)`, or None once the error is on stderr as `prog: ...` (a bench's
+    exit status 2)."""
+    try:
+        return apply(texts or [])
+    except ValueError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return None

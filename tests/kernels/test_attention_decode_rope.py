@@ -58,14 +58,15 @@ def _case(num_heads, num_kv, head_dim, lens, page_size, dtype, seed):
 
 
 def _reference(qk, v, kc, vc, tables, new, cs, num_heads, scale, window=None):
-    """(output, k pool, v pool) of rope + store, then attention, on copies (float64 out)."""
-    kc, vc = kc.clone(), vc.clone()
+    """(output, k pool, v pool) of rope + store, then attention, on CPU copies (float64
+    out), returned on qk's device: the torch rotation, not the CUDA dispatch."""
+    kc, vc = kc.cpu().clone(), vc.cpu().clone()
     pos = torch.tensor([t.shape[0] - 1 for t in tables])
-    rope = tuple(x.to(qk.device) for x in rope_gather_torch(cs.cpu(), pos))
-    rot = rope_kv_store_ref(qk.clone(), v, rope, kc, vc, new, num_heads)
-    out = attention_decode_ref(rot[:, :num_heads].double(), kc.double(), vc.double(), tables,
-                               scale, sliding_window=window)  # fmt: skip
-    return out, kc, vc
+    rope = rope_gather_torch(cs.cpu(), pos)
+    rot = rope_kv_store_ref(qk.cpu().clone(), v.cpu(), rope, kc, vc, new.cpu(), num_heads)
+    out = attention_decode_ref(rot[:, :num_heads].double(), kc.double(), vc.double(),
+                               [t.cpu() for t in tables], scale, sliding_window=window)  # fmt: skip
+    return out.to(qk.device), kc.to(qk.device), vc.to(qk.device)
 
 
 def _fused(qk, v, kc, vc, plan, new, cs, num_heads, scale, window=None, **kw):

@@ -38,7 +38,9 @@ import torch.nn.functional as F
 from shunter.kernels.page_layout import to_device
 from shunter.kernels.rope_kv_store import rope_kv_store
 
-FUSE_ROPE_STORE = False  # decode layers rotate and store inside the attention kernel
+# Decode layers rotate and store inside the attention kernel: one launch fewer a layer,
+# but on an H200 (8B, bs 1 and 64, graphs under PDL) no faster, so off (BENCHMARKS.md).
+FUSE_ROPE_STORE = False
 
 
 @dataclass(frozen=True)

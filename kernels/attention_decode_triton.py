@@ -60,7 +60,9 @@ from shunter.kernels.attention_decode_merge_triton import (
 from shunter.kernels.pdl import pdl_enter, use_pdl
 
 MIN_KEYS_PER_SPLIT = 256
-MERGE_IN_SPLIT = False  # the last split of each (entry, KV head) merges; no merge kernel
+# The last split of each (entry, KV head) merges, with no merge kernel; measured no
+# faster in an 8B step on an H200 (BENCHMARKS.md), so off.
+MERGE_IN_SPLIT = False
 # Measured on an H200 (one entry of 131072 keys, 8 KV heads): 2 programs per SM reached
 # 54% of the copy bandwidth, 4 reached 89%, 8 and 16 fewer (79%, 55%).
 PROGRAMS_PER_SM = 4

@@ -65,6 +65,7 @@ from shunter.actors.executor.core_plan import (
     Entry,
     Geometry,
     LogitsLayout,
+    Plan,
     Row,
     StepFailed,
     logits_layout,
@@ -219,12 +220,13 @@ class ExecutorCore:
     ) -> StepResult | tuple[list[Entry], LogitsLayout, torch.Tensor]:
         """Steps 1-4: (entries, logits being computed), or the step's final result."""
         try:
-            entries, opened = plan_batch(batch, self._rows, self.geometry)
+            plan = plan_batch(batch, self._rows, self.geometry)
+            entries, opened = plan.entries, plan.opened
             if not entries:  # only row diffs (e.g. closes while nothing runs): no forward
                 self._commit(batch, entries, opened)
                 return StepResult(step_id=batch.step_id, rows=[], token_ids=[])
             layout = logits_layout(entries)
-            inp = self._stage(batch, entries, opened, layout.indices)
+            inp = self._stage(batch, plan, layout.indices)
             logits = self.runner.forward(inp)  # [num_logits, V] float32
         except Exception as e:  # malformed batch or a failed forward: the step fails
             self._close(batch.closes)
@@ -244,16 +246,15 @@ class ExecutorCore:
 
     # ---- 2. stage -------------------------------------------------------------------
 
-    def _stage(
-        self, b: ForwardBatch, entries: list[Entry], opened: dict[int, Row], logits_idx: list[int]
-    ) -> ForwardInput:
+    def _stage(self, b: ForwardBatch, plan: Plan, logits_idx: list[int]) -> ForwardInput:
+        entries, opened = plan.entries, plan.opened
         tables = self._tables
         tables.ensure(max(max(b.rows), max(opened, default=0)))
         for o in b.opens:  # prefix pages and their tokens' slots
             tables.open(o.row_idx, o.prefix_pages, o.num_prefix_tokens)
         if b.new_pages:
             tables.append_pages([e.row_idx for e in entries], [e.base_pages for e in entries],
-                                b.num_new_pages, b.new_pages)  # fmt: skip
+                                b.num_new_pages, plan.new_pages)  # fmt: skip
 
         counts = long_tensor(b.num_new_tokens)  # [E]
         starts = long_tensor(b.start_pos)  # [E]
@@ -270,7 +271,7 @@ class ExecutorCore:
         seq_lens = [e.start + len(e.ids) for e in entries]
         slots = tables.slots
         return ForwardInput(
-            input_ids=self._input_ids(entries, num_tokens),
+            input_ids=self._input_ids(entries, plan.input_ids),
             positions=positions,
             num_new_tokens=list(b.num_new_tokens),
             seq_lens=seq_lens,
@@ -281,22 +282,18 @@ class ExecutorCore:
             fresh=[e.row_idx in opened or e.row_idx in self._unsynced for e in entries],
         )  # fmt: skip
 
-    def _input_ids(self, entries: list[Entry], num_tokens: int) -> torch.Tensor:
-        """[num_tokens] int64 new tokens; on the model's device when an entry's first
-        token is a sample still there (gathered from _last_tokens, no host read)."""
-        if num_tokens == len(entries):  # all decode: one token per entry
-            if all(e.from_device for e in entries):  # every input is a sample in flight
-                rows = device_tensor([e.row_idx for e in entries], self._last_tokens.device)
-                return self._last_tokens[rows]
-            ids = long_tensor([e.ids[0] for e in entries])
-            firsts = list(range(len(entries)))
-        else:
-            ids = long_tensor([t for e in entries for t in e.ids])
-            firsts, off = [], 0
-            for e in entries:
-                firsts.append(off)
-                off += len(e.ids)
-        gather = [(f, e.row_idx) for f, e in zip(firsts, entries) if e.from_device]
+    def _input_ids(self, entries: list[Entry], ids: torch.Tensor) -> torch.Tensor:
+        """The plan's [num_tokens] int64 input ids; on the model's device when an entry's
+        first token is a sample still there (gathered from _last_tokens, no host read)."""
+        if len(ids) == len(entries) and all(e.from_device for e in entries):
+            # all decode, every input a sample in flight
+            rows = device_tensor([e.row_idx for e in entries], self._last_tokens.device)
+            return self._last_tokens[rows]
+        gather, off = [], 0
+        for e in entries:
+            if e.from_device:
+                gather.append((off, e.row_idx))
+            off += len(e.ids)
         if not gather:
             return ids
         dev = self._last_tokens.device

@@ -2,11 +2,14 @@
 the layout of the logits its forward returns.
 
 Theory of operation: `plan_batch` checks a whole batch before anything is applied
-(see core.py, step 1) and returns the entries to run, with their input ids resolved
-(LAST_SAMPLED -> the row's pending sample when the host knows it; when that sample is
-still in flight on the device, the id stays LAST_SAMPLED and the entry is marked
-`from_device`: the core gathers it there), and the rows the batch opens (not yet in
-the mirror). Any inconsistency raises StepFailed naming the entry and the reason, so
+(see core.py, step 1) and returns a Plan: the entries to run, with their input ids
+resolved (LAST_SAMPLED -> the row's pending sample when the host knows it; when that
+sample is still in flight on the device, the id stays LAST_SAMPLED and the entry is
+marked `from_device`: the core gathers it there), the rows the batch opens (not yet
+in the mirror), and the batch's input ids (so resolved) and new pages as int64 tensors.
+Those two are built once, here: a long list is range-checked on its tensor
+(torch.aminmax) rather than by Python's min and max, and the core stages the same
+tensors, so an 8k-token prefill converts each list once. Any inconsistency raises StepFailed naming the entry and the reason, so
 a malformed batch fails its step and leaves the mirror as it was. `logits_layout`
 says which token positions the forward returns logits for and which entry reads
 each; `prompt_logprobs` turns a prompt-logprob entry's logits into its values.
@@ -24,6 +27,7 @@ import msgspec
 import torch
 
 from shunter.actors.executor.sampling import RowSampling, raw_logprobs, validate_params
+from shunter.actors.executor.slot_table import long_tensor
 from shunter.bus.messages import LAST_SAMPLED, ForwardBatch
 
 
@@ -79,14 +83,34 @@ class Entry(msgspec.Struct):
     from_device: bool = False  # ids[0] is LAST_SAMPLED of a sample still on the device
 
 
+class Plan(NamedTuple):
+    """A checked batch (plan_batch's result)."""
+
+    entries: list[Entry]
+    opened: dict[int, Row]  # rows this batch opens
+    input_ids: torch.Tensor  # [T] int64, host: the entries' resolved ids, flattened
+    new_pages: torch.Tensor  # [P] int64, host: the batch's new_pages
+
+
+VECTOR_MIN_LEN = 64  # lists at least this long are range-checked on their tensor
+
+
+def _outside(values: list[int], t: torch.Tensor, hi: int) -> bool:
+    """Whether an item of `values` (whose int64 tensor is `t`) lies outside [0, hi):
+    Python's min and max for a short list; torch.aminmax for a long one (8k items:
+    ~10 us against ~0.4 ms)."""
+    if len(values) < VECTOR_MIN_LEN:
+        return bool(values) and (min(values) < 0 or max(values) >= hi)
+    lo, up = torch.aminmax(t)
+    return int(lo) < 0 or int(up) >= hi
+
+
 class StepFailed(ValueError):
     """A ForwardBatch that cannot run; the message says why."""
 
 
-def plan_batch(
-    b: ForwardBatch, rows: dict[int, Row], g: Geometry
-) -> tuple[list[Entry], dict[int, Row]]:
-    """(entries to run, rows this batch opens) or StepFailed; see the module docstring."""
+def plan_batch(b: ForwardBatch, rows: dict[int, Row], g: Geometry) -> Plan:
+    """The batch's Plan, or StepFailed; see the module docstring."""
     n = len(b.rows)
     for name in ("num_new_tokens", "start_pos", "num_new_pages", "sample"):
         if len(getattr(b, name)) != n:
@@ -95,7 +119,8 @@ def plan_batch(
         raise StepFailed(f"{len(b.input_ids)} input ids for {sum(b.num_new_tokens)} new tokens")
     if sum(b.num_new_pages) != len(b.new_pages):
         raise StepFailed(f"{len(b.new_pages)} new pages for {sum(b.num_new_pages)} declared")
-    if b.new_pages and (min(b.new_pages) < 0 or max(b.new_pages) >= g.num_pages):
+    new_pages = long_tensor(b.new_pages)
+    if _outside(b.new_pages, new_pages, g.num_pages):
         raise StepFailed(f"a new page is outside [0, {g.num_pages})")
     closed = set(b.closes)
     opened: dict[int, Row] = {}
@@ -122,11 +147,14 @@ def plan_batch(
         sampling = RowSampling(o.sampling, o.seed, g.eos_token_ids)
         opened[o.row_idx] = Row(o.num_prefix_tokens, len(o.prefix_pages), sampling)
 
+    input_ids = long_tensor(b.input_ids)
+    resolved: list[tuple[int, int]] = []  # (token index, pending sample) for LAST_SAMPLED
     entries: list[Entry] = []
     seen_rows: set[int] = set()
     pos = 0
     for i, row_idx in enumerate(b.rows):
         num_new = b.num_new_tokens[i]
+        at = pos
         ids = b.input_ids[pos : pos + num_new]
         num_new_pages = b.num_new_pages[i]
         pos += num_new
@@ -161,6 +189,7 @@ def plan_batch(
         if ids[0] == LAST_SAMPLED:
             if row.pending is not None:
                 ids = [row.pending, *ids[1:]]
+                resolved.append((at, row.pending))
             elif row.inflight:
                 from_device = True
             else:
@@ -168,7 +197,7 @@ def plan_batch(
                     f"entry {i}: LAST_SAMPLED for row {row_idx}, which has no pending sample"
                 )
         known = ids[1:] if from_device else ids
-        if known and (min(known) < 0 or max(known) >= g.vocab_size):
+        if _outside(known, input_ids[at + int(from_device) : at + num_new], g.vocab_size):
             raise StepFailed(
                 f"entry {i}: input id outside [0, {g.vocab_size})"
                 + (" (LAST_SAMPLED is only valid first)" if LAST_SAMPLED in ids else "")
@@ -178,7 +207,10 @@ def plan_batch(
         entries.append(
             Entry(row_idx, row.num_tokens, ids, row.num_pages, b.sample[i], lp_from, from_device)
         )  # fmt: skip
-    return entries, opened
+    if resolved:
+        at, pending = zip(*resolved, strict=True)
+        input_ids[long_tensor(at)] = long_tensor(pending)
+    return Plan(entries, opened, input_ids, new_pages)
 
 
 def first_lp_pos(e: Entry) -> int:

@@ -56,21 +56,21 @@ class RowTables:
         rows: Sequence[int],
         base_pages: Sequence[int],
         num_new_pages: Sequence[int],
-        new_pages: Sequence[int],
+        new_pages: torch.Tensor,
     ) -> None:
-        """Entry e's num_new_pages[e] pages (consecutive in new_pages) go to row rows[e]'s
-        page cells base_pages[e] onwards."""
+        """Entry e's num_new_pages[e] pages (consecutive in new_pages, [P] int64) go to
+        row rows[e]'s page cells base_pages[e] onwards."""
         if len(rows) <= SLICE_MAX_ENTRIES:  # a slice per entry (slot_table.py says why)
-            new, off = long_tensor(new_pages), 0
+            off = 0
             for r, b, k in zip(rows, base_pages, num_new_pages, strict=True):
-                self.pages[r, b : b + k] = new[off : off + k]
+                self.pages[r, b : b + k] = new_pages[off : off + k]
                 off += k
             return
         k = long_tensor(num_new_pages)  # [E]
         base = long_tensor(base_pages) - (torch.cumsum(k, 0) - k)
         page_rows = torch.repeat_interleave(long_tensor(rows), k)
         page_idx = torch.repeat_interleave(base, k) + torch.arange(len(new_pages))
-        self.pages[page_rows, page_idx] = long_tensor(new_pages)
+        self.pages[page_rows, page_idx] = new_pages
 
     def write_slots(self, token_rows: torch.Tensor, positions: torch.Tensor) -> None:
         """The slots of new tokens (row, position), from their rows' pages."""

@@ -10,6 +10,7 @@ import pathlib
 import pytest
 
 from shunter.actors.executor.core import ExecutorCore
+from shunter.actors.executor.core_plan import VECTOR_MIN_LEN
 from shunter.actors.executor.kv_pool import KVPool
 from shunter.actors.executor.runner import ModelRunner
 from shunter.actors.executor.warmup import warm_up
@@ -278,6 +279,42 @@ def test_malformed_batches_fail_the_step_and_change_nothing(model):
     assert res.error is None and res.rows == [0]
     assert core.statistics().num_unknown_closes == 1
     assert core.open_rows() == {0: (1, 1), 6: (0, 0)}
+
+
+@pytest.mark.parametrize("at", [0, 37, VECTOR_MIN_LEN + 5])
+def test_long_batches_are_range_checked_on_their_tensors(model, at):
+    """Past VECTOR_MIN_LEN ids or pages the plan checks ranges with torch.aminmax:
+    the same errors, wherever the bad item sits, and the mirror is unchanged."""
+    core = make_core(model, num_pages=256)
+    drv = Driver(core)
+    drv.step([(0, [1, 2, 3])], opens=[open_row(0)])
+    before = core.open_rows()
+    n = VECTOR_MIN_LEN + 6
+
+    def long(ids=None, pg=None) -> ForwardBatch:
+        return _batch(start_pos=[3], num_new_tokens=[n], num_new_pages=[n],
+                      input_ids=ids or [7] * n, new_pages=pg or list(range(3, 3 + n)))  # fmt: skip
+
+    def put(values, v):
+        return [*values[:at], v, *values[at + 1 :]]
+
+    pages = list(range(3, 3 + n))
+    bad = {
+        "input id outside": [long(ids=put([7] * n, 10**6)), long(ids=put([7] * n, -2))],
+        "outside [0, 256)": [long(pg=put(pages, 256)), long(pg=put(pages, -1))],
+    }
+    if at:
+        bad["only valid first"] = [long(ids=put([7] * n, LAST_SAMPLED))]
+    for needle, batches in bad.items():
+        for batch in batches:
+            (res,) = core.handle(batch)
+            assert res.error is not None and needle in res.error, (needle, res.error)
+            assert core.open_rows() == before, needle
+    # The same long entry, well formed, after a resolved LAST_SAMPLED entry of another row.
+    drv.step([(1, [4, 5])], opens=[open_row(1)])
+    ok = drv.step([(1, [LAST_SAMPLED]), (0, [7] * n)])
+    assert ok.error is None and ok.rows == [1, 0]
+    assert core.open_rows() == {0: (3 + n, 3 + n), 1: (3, 3)}
 
 
 def test_resumed_request_continues_its_seeded_stream(model):

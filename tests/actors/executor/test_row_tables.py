@@ -40,7 +40,7 @@ def test_pages_and_slots_match_a_per_token_model(page_size, num_rows):
             got = [free.pop() for _ in range(need)]
             new += got
             model[r] += got
-        tables.append_pages(rows, base, k_new, new)
+        tables.append_pages(rows, base, k_new, torch.tensor(new, dtype=torch.int64))
         token_rows = torch.tensor([r for r, c in zip(rows, counts) for _ in range(c)])
         positions = torch.tensor([lens[r] + i for r, c in zip(rows, counts) for i in range(c)])
         tables.write_slots(token_rows, positions)

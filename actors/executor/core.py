@@ -251,7 +251,7 @@ class ExecutorCore:
         tables = self._tables
         tables.ensure(max(max(b.rows), max(opened, default=0)))
         for o in b.opens:  # prefix pages and their tokens' slots
-            tables.open(o.row_idx, o.prefix_pages, o.num_prefix_tokens)
+            tables.open(o.row_idx, plan.prefix_pages.get(o.row_idx), o.num_prefix_tokens)
         if b.new_pages:
             tables.append_pages([e.row_idx for e in entries], [e.base_pages for e in entries],
                                 b.num_new_pages, plan.new_pages)  # fmt: skip

@@ -6,7 +6,8 @@ Theory of operation: `plan_batch` checks a whole batch before anything is applie
 resolved (LAST_SAMPLED -> the row's pending sample when the host knows it; when that
 sample is still in flight on the device, the id stays LAST_SAMPLED and the entry is
 marked `from_device`: the core gathers it there), the rows the batch opens (not yet
-in the mirror), and the batch's input ids (so resolved) and new pages as int64 tensors.
+in the mirror), the batch's input ids (so resolved), new pages and opened rows' prefix pages as int64
+tensors.
 Those two are built once, here: a long list is range-checked on its tensor
 (torch.aminmax) rather than by Python's min and max, and the core stages the same
 tensors, so an 8k-token prefill converts each list once. Any inconsistency raises StepFailed naming the entry and the reason, so
@@ -90,6 +91,7 @@ class Plan(NamedTuple):
     opened: dict[int, Row]  # rows this batch opens
     input_ids: torch.Tensor  # [T] int64, host: the entries' resolved ids, flattened
     new_pages: torch.Tensor  # [P] int64, host: the batch's new_pages
+    prefix_pages: dict[int, torch.Tensor]  # opened row -> its prefix pages (int64, host)
 
 
 VECTOR_MIN_LEN = 64  # lists at least this long are range-checked on their tensor
@@ -124,6 +126,7 @@ def plan_batch(b: ForwardBatch, rows: dict[int, Row], g: Geometry) -> Plan:
         raise StepFailed(f"a new page is outside [0, {g.num_pages})")
     closed = set(b.closes)
     opened: dict[int, Row] = {}
+    prefix_pages: dict[int, torch.Tensor] = {}
     for o in b.opens:
         if not 0 <= o.row_idx < g.max_num_rows:
             raise StepFailed(f"open of row {o.row_idx} outside [0, {g.max_num_rows})")
@@ -136,7 +139,9 @@ def plan_batch(b: ForwardBatch, rows: dict[int, Row], g: Geometry) -> Plan:
             )
         if len(o.prefix_pages) > g.max_pages_per_row:
             raise StepFailed(f"row {o.row_idx}: prefix longer than the context")
-        if o.prefix_pages and (min(o.prefix_pages) < 0 or max(o.prefix_pages) >= g.num_pages):
+        if o.prefix_pages:
+            prefix_pages[o.row_idx] = long_tensor(o.prefix_pages)
+        if o.prefix_pages and _outside(o.prefix_pages, prefix_pages[o.row_idx], g.num_pages):
             raise StepFailed(f"row {o.row_idx}: a prefix page is outside [0, {g.num_pages})")
         if o.num_output_tokens < 0:
             raise StepFailed(f"row {o.row_idx}: num_output_tokens {o.num_output_tokens} < 0")
@@ -210,7 +215,7 @@ def plan_batch(b: ForwardBatch, rows: dict[int, Row], g: Geometry) -> Plan:
     if resolved:
         at, pending = zip(*resolved, strict=True)
         input_ids[long_tensor(at)] = long_tensor(pending)
-    return Plan(entries, opened, input_ids, new_pages)
+    return Plan(entries, opened, input_ids, new_pages, prefix_pages)
 
 
 def first_lp_pos(e: Entry) -> int:

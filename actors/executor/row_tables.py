@@ -41,11 +41,12 @@ class RowTables:
         else:
             self.slots = torch.cat([self.slots, self.slots.new_zeros(grow, self.slots.shape[1])])
 
-    def open(self, row_idx: int, prefix_pages: Sequence[int], num_prefix_tokens: int) -> None:
-        """A row opens on a cached prefix: its pages, and the slots of its tokens."""
-        if not prefix_pages:
+    def open(self, row_idx: int, prefix_pages: torch.Tensor | None, num_prefix_tokens: int) -> None:
+        """A row opens on a cached prefix: its pages ([n] int64; None or empty: no
+        prefix), and the slots of its tokens."""
+        if prefix_pages is None or not len(prefix_pages):
             return
-        self.pages[row_idx, : len(prefix_pages)] = long_tensor(prefix_pages)
+        self.pages[row_idx, : len(prefix_pages)] = prefix_pages
         ps = self.page_size
         if ps > 1 and num_prefix_tokens:
             p = torch.arange(num_prefix_tokens)

@@ -302,6 +302,15 @@ def test_long_batches_are_range_checked_on_their_tensors(model, at):
     bad = {
         "input id outside": [long(ids=put([7] * n, 10**6)), long(ids=put([7] * n, -2))],
         "outside [0, 256)": [long(pg=put(pages, 256)), long(pg=put(pages, -1))],
+        "a prefix page is outside": [
+            _batch(
+                opens=[open_row(2, prefix_pages=put(pages, bad), num_prefix=n)],
+                rows=[2],
+                start_pos=[n],
+                new_pages=[200],
+            )
+            for bad in (256, -1)
+        ],
     }
     if at:
         bad["only valid first"] = [long(ids=put([7] * n, LAST_SAMPLED))]

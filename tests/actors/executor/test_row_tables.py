@@ -26,7 +26,7 @@ def test_pages_and_slots_match_a_per_token_model(page_size, num_rows):
         tables.ensure(o_row)
         n_prefix = rng.randrange(0, 40)
         pages = [free.pop() for _ in range(-(-n_prefix // page_size))]
-        tables.open(o_row, pages, n_prefix)
+        tables.open(o_row, torch.tensor(pages, dtype=torch.int64), n_prefix)
         model[o_row], lens[o_row] = pages, n_prefix
     assert tables.pages.shape[0] > 2 * ROW_CHUNK + 1
     for _ in range(20):  # steps: each row extends by 1..20 tokens

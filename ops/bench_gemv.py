@@ -11,7 +11,8 @@ default `gemv_config` run in the same passes. Prints, per shape, the fastest con
 with their bandwidth (weight bytes / time) and the default's and cuBLAS's, then a
 JSON summary as the last line.
 
-    shunter bench gemv [--shapes qkv=6144x4096,o=4096x4096,down=4096x14336] [--layers 32]
+    shunter bench gemv [--shapes qkv=6144x4096,o=4096x4096,gate_up=28672x4096,down=4096x14336]
+        [--layers 32]   (the logits: lm_head=128256x4096 --layers 4)
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-LLAMA_8B_SHAPES = "qkv=6144x4096,o=4096x4096,down=4096x14336"
+LLAMA_8B_SHAPES = "qkv=6144x4096,o=4096x4096,gate_up=28672x4096,down=4096x14336"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

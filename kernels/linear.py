@@ -11,6 +11,8 @@ with the GEMV on qkv, o and down than with cuBLAS, and its one-weight-row tiles
 rows) from cuBLAS onto it another 1.03x. The kernel can also fold the SwiGLU, or the add + RMSNorm, into its
 operand load (`FUSE_SILU`, `FUSE_NORM`), saving those launches, but every program then
 re-reads the activations and the step got slower (BENCHMARKS.md), so both are off.
+`gate_up_swiglu` with `FUSE_GATE_UP_SWIGLU` applies the SwiGLU in the gate/up GEMV's
+store instead, where nothing is re-read.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ SKINNY_MAX_ROWS = 1  # rows up to which the GEMV kernel runs (0: never)
 GEMV_MAX_N = 1 << 18  # widest weight (output rows) it takes
 FUSE_NORM = False  # norm_linear folds the (add +) RMSNorm into the GEMV's load
 FUSE_SILU = False  # silu_mul_linear folds the SwiGLU into the GEMV's load
+# gate_up_swiglu: a one-row gate/up GEMV applies the SwiGLU as it stores (no re-reads;
+# one launch a layer fewer); not yet measured in a whole step, so off.
+FUSE_GATE_UP_SWIGLU = False
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -78,6 +83,16 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
         return linear_gemv_triton(x, weight, bias, silu_mul=True)
     return linear(silu_mul(x), weight, bias)
+
+
+def gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """silu_mul(x [T, K] @ weight [2N, K]^T (+ bias)) -> [T, N]: the MLP's gate|up
+    projection and its SwiGLU."""
+    if FUSE_GATE_UP_SWIGLU and bias is None and x.shape[0] == 1 and _skinny(x, weight):
+        from shunter.kernels.linear_triton import gate_up_swiglu_gemv_triton
+
+        return gate_up_swiglu_gemv_triton(x, weight)
+    return silu_mul(linear(x, weight, bias))
 
 
 def norm_linear(

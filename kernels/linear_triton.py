@@ -27,6 +27,12 @@ grid):
   Program 0 writes s to a new tensor (the layer's residual stream; x and residual
   are left as they are, since other programs still read them).
 
+Epilogue (`gate_up_swiglu_gemv_triton`, one row): W is the MLP's [2N, K] gate|up weight
+and a program takes weight row n of each half, so it holds gate[n] and up[n] and
+stores silu(gate[n]) * up[n]: the gate/up projection and the SwiGLU in one launch,
+with the GEMV's tiles and summation order and kernels/silu_mul.py's roundings, so the
+result equals the two kernels' bit for bit. No program re-reads anything.
+
 Invariants: W is [N, K] with a contiguous K axis (an nn.Linear weight); x, residual
 and the norm weight have a contiguous last axis; M <= MAX_ROWS; y has x's dtype.
 bfloat16 and float16 are what it is for; float32 runs too (interpreter tests).
@@ -199,6 +205,43 @@ def _gemv_kernel(
                PROLOGUE, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
 
 
+@triton.jit
+def _gemv_swiglu_kernel(x_ptr, w_ptr, y_ptr, N, K, w_row_stride, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    """One row x [K]: y[n] = silu(g[n]) * u[n] for g, u = x @ W[n]^T, x @ W[N + n]^T,
+    each rounded to y's dtype as the GEMV stores it, then rounded as silu_mul does."""
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    g_tile = w_ptr + rn.to(tl.int64)[:, None] * w_row_stride + rk[None, :]
+    u_tile = w_ptr + (rn + N).to(tl.int64)[:, None] * w_row_stride + rk[None, :]
+    m = n_ok[:, None] & (rk < K)[None, :]
+    wg = tl.load(g_tile, mask=m, other=0.0)
+    wu = tl.load(u_tile, mask=m, other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    zero = (rn * 0)[:, None]
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        m = n_ok[:, None] & ((k0 + BLOCK_K + rk) < K)[None, :]
+        wg_next = tl.load(g_tile + k0 + BLOCK_K, mask=m, other=0.0)
+        wu_next = tl.load(u_tile + k0 + BLOCK_K, mask=m, other=0.0)
+        op = tl.load(x_ptr + k0 + zero + rk[None, :], mask=((k0 + rk) < K)[None, :], other=0.0)
+        op = op.to(tl.float32)
+        acc_g += wg.to(tl.float32) * op
+        acc_u += wu.to(tl.float32) * op
+        wg = wg_next
+        wu = wu_next
+    dt = y_ptr.dtype.element_ty
+    g = tl.sum(acc_g, axis=1).to(dt).to(tl.float32)
+    u = tl.sum(acc_u, axis=1).to(dt).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    tl.store(y_ptr + rn, (act * u).to(dt), mask=n_ok)
+
+
 def gemv_config(n: int, k: int, prologue: int = PLAIN) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for a [n, k] weight. A plain load takes one weight
     row per program: for K up to 4096 the row in one tile (the loop is a single step
@@ -306,3 +349,31 @@ def norm_linear_gemv_triton(
     prologue = ADD_RMSNORM if residual is not None else RMSNORM
     y, res_out = _launch(x, weight, bias, prologue, residual, norm_weight, eps, config, pdl)
     return y, res_out if res_out is not None else x
+
+
+def gate_up_swiglu_gemv_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    config: tuple[int, int, int] | None = None,
+    pdl: bool | None = None,
+) -> torch.Tensor:
+    """silu_mul(x @ weight^T) for one row: x [1, K], weight [2N, K] (gate | up) -> [1, N],
+    in one launch (the module docstring's epilogue)."""
+    assert x.dim() == 2 and weight.dim() == 2
+    n2, k = weight.shape
+    if x.shape[0] != 1 or x.shape[1] != k or n2 % 2:
+        raise ValueError(f"gate_up_swiglu: x {tuple(x.shape)} must be one row of K and weight "
+                         f"{tuple(weight.shape)} [2N, K]")  # fmt: skip
+    assert x.stride(1) == 1 and weight.stride(1) == 1
+    n = n2 // 2
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if n == 0:
+        return y
+    block_n, block_k, warps = config or gemv_config(n2, k)
+    pdl = use_pdl(x) if pdl is None else pdl
+    _gemv_swiglu_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=warps,
+    )  # fmt: skip
+    return y

@@ -229,6 +229,24 @@ def drive(core, prompts: Sequence[Sequence[int]], num_steps: int | Sequence[int]
     return _collect(results, rows, num_forwards + 1)
 
 
+def runs_with_setting(module, name: str, values: Sequence, hf_model, hf_cfg,
+                      model_dir: pathlib.Path, prompts: Sequence[Sequence[int]], num_steps: int,
+                      *, dtype: torch.dtype, graphs: bool, backend: str = "triton") -> list[Run]:  # fmt: skip
+    """An engine on CUDA and an overlapped greedy `drive` for each value of the module
+    constant `module.name` (restored afterwards): the runs, in the order of `values`."""
+    saved, runs = getattr(module, name), []
+    try:
+        for i, value in enumerate(values):
+            setattr(module, name, value)
+            core = build_engine(hf_model, hf_cfg, model_dir / f"m{i}", dtype=dtype, device="cuda",
+                                backend=backend, graphs=graphs)  # fmt: skip
+            runs.append(drive(core, prompts, num_steps, overlap=True))
+            del core
+    finally:
+        setattr(module, name, saved)
+    return runs
+
+
 def _submit(core, batch: ForwardBatch) -> list[StepResult]:
     if not hasattr(core, "submit"):
         raise NotImplementedError("this ExecutorCore has no submit/flush (overlap) API")

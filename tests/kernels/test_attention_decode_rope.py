@@ -150,8 +150,7 @@ def test_fused_decode_bf16_at_llama8b_heads_on_gpu(in_split):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-def test_engine_greedy_tokens_are_the_same_with_the_fused_decode_on_gpu(tmp_path, monkeypatch,
-                                                                        graphs):  # fmt: skip
+def test_engine_greedy_tokens_are_the_same_with_the_fused_decode_on_gpu(tmp_path, graphs):
     """The executor (triton backend, float32, small dummy Llama) decodes the same greedy
     tokens with FUSE_ROPE_STORE on as off, captured graphs included; logprobs within
     float32 roundoff (the rotation's products may be fused differently)."""
@@ -159,13 +158,8 @@ def test_engine_greedy_tokens_are_the_same_with_the_fused_decode_on_gpu(tmp_path
 
     hf_model, hf_cfg = gp.build_hf("small", torch.float32, "cuda")
     prompts = gp.random_prompts(hf_cfg.vocab_size, [5, 17, 33])
-    runs = []
-    for fused in (False, True):
-        monkeypatch.setattr(ad, "FUSE_ROPE_STORE", fused)
-        core = gp.build_engine(hf_model, hf_cfg, tmp_path / f"m{int(fused)}", dtype=torch.float32,
-                               device="cuda", backend="triton", graphs=graphs)  # fmt: skip
-        runs.append(gp.drive(core, prompts, 24, overlap=True))
-        del core
+    runs = gp.runs_with_setting(ad, "FUSE_ROPE_STORE", [False, True], hf_model, hf_cfg, tmp_path,
+                                prompts, 24, dtype=torch.float32, graphs=graphs)  # fmt: skip
     assert runs[0].tokens == runs[1].tokens
     for a, b in zip(runs[0].top1, runs[1].top1, strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-4)

@@ -83,6 +83,10 @@ def compile_all() -> dict[str, dict]:
                       BLOCK_K=block_k, USE_PDL=True)  # fmt: skip
         out.update([_run(f"gemv-{pname}", lambda c=consts, w=warps: _compile(
             lt._gemv_kernel, gemv_ptrs, c, num_warps=w))])  # fmt: skip
+    block_n, block_k, warps = lt.gemv_config(28672, 4096)
+    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=True)
+    out.update([_run("gemv-swiglu", lambda: _compile(lt._gemv_swiglu_kernel, gemv_ptrs, consts,
+                                                     num_warps=warps))])  # fmt: skip
     return out
 
 
@@ -115,7 +119,7 @@ def test_decode_merge_kernel_builds_for_hopper(report):
     assert "error" not in report["merge"], report["merge"].get("error")
 
 
-@pytest.mark.parametrize("prologue", GEMV_PROLOGUES)
+@pytest.mark.parametrize("prologue", [*GEMV_PROLOGUES, "swiglu"])
 def test_gemv_kernel_configs_build_for_hopper(report, prologue):
     got = report[f"gemv-{prologue}"]
     assert "error" not in got, got.get("error")

@@ -1,11 +1,13 @@
-"""GEMV Triton projection (with its SwiGLU and add + RMSNorm prologues) (kernels/linear_triton.py) and the fused rope + KV store
+"""GEMV Triton projection (with its SwiGLU and add + RMSNorm prologues, and the gate/up
+SwiGLU epilogue) (kernels/linear_triton.py) and the fused rope + KV store
 (kernels/rope_kv_store_triton.py) against their torch references. Without CUDA they run
 under TRITON_INTERPRET=1 on the CPU at small, odd shapes in float32 (the interpreter's
 bf16 dots are wrong); with CUDA also bf16 at Llama-3-8B shapes (`gpu`).
 
 Tolerances: float32 projections 1e-4 relative (float32 dots, another summation order);
 bf16 projections against a float32 reference rounded to bf16: 2 bf16 ulps (1.6e-2) of
-the largest output. Rope + store: float32 exact against rope then kv_store; bf16 the
+the largest output. The SwiGLU epilogue: equal to the GEMV then the silu_mul kernel
+(the same tiles, sums and roundings). Rope + store: float32 exact against rope then kv_store; bf16 the
 same kernels' rounding (exact on the GPU)."""
 
 from __future__ import annotations
@@ -26,10 +28,17 @@ from shunter.kernels.linear import (
     silu_mul_linear,
     silu_mul_linear_ref,
 )
-from shunter.kernels.linear_triton import MAX_ROWS, linear_gemv_triton, norm_linear_gemv_triton
+from shunter.kernels.linear_triton import (
+    MAX_ROWS,
+    gate_up_swiglu_gemv_triton,
+    linear_gemv_triton,
+    norm_linear_gemv_triton,
+)
 from shunter.kernels.rope import rope_cos_sin_cache, rope_gather_torch, rope_rotate_torch
 from shunter.kernels.rope_kv_store import rope_kv_store, rope_kv_store_ref
 from shunter.kernels.rope_kv_store_triton import rope_kv_store_triton
+from shunter.kernels.silu_mul import silu_mul_ref
+from shunter.kernels.silu_mul_triton import silu_mul_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CFG = (4, 32, 4)  # small tiles, so the odd shapes take several K steps and a partial N block
@@ -102,6 +111,23 @@ def test_gemv_rejects_a_width_mismatch():
         linear_gemv_triton(_randn(2, 10), _randn(8, 12))
     with pytest.raises(ValueError, match="silu_mul"):
         linear_gemv_triton(_randn(2, 12), _randn(8, 12), silu_mul=True)
+
+
+@pytest.mark.parametrize(("n2", "k"), [(40, 64), (34, 300), (6, 4100)])
+@pytest.mark.parametrize("cfg", [CFG, None], ids=["small-tiles", "default-tiles"])
+def test_gate_up_swiglu_equals_the_gemv_then_silu_mul(n2, k, cfg):
+    x, w = _randn(1, k, seed=11), _randn(n2, k, seed=12) * 0.1
+    y = gate_up_swiglu_gemv_triton(x, w, config=cfg)
+    assert y.shape == (1, n2 // 2) and y.dtype == x.dtype
+    assert torch.equal(y, silu_mul_triton(linear_gemv_triton(x, w, config=cfg)))
+    _close(y, silu_mul_ref(linear_ref(x, w)), 1e-4)
+
+
+def test_gate_up_swiglu_rejects_bad_shapes():
+    for x, w in ((_randn(2, 8), _randn(6, 8)), (_randn(1, 8), _randn(5, 8)),
+                 (_randn(1, 8), _randn(6, 9))):  # fmt: skip
+        with pytest.raises(ValueError, match="gate_up_swiglu"):
+            gate_up_swiglu_gemv_triton(x, w)
 
 
 def test_dispatch_takes_the_torch_path_off_cuda():
@@ -204,3 +230,33 @@ def test_rope_kv_store_bf16_at_llama_shape_equals_the_separate_kernels():
     rope_rotate_triton(qk2, pos, cache)
     kv_store_triton(kc2, vc2, slots, qk2[:, 32:], v)
     assert torch.equal(qk, qk2) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gate_up_swiglu_bf16_at_llama_shape_equals_the_two_kernels(monkeypatch):
+    from shunter.kernels import linear as linear_mod
+
+    x = _randn(1, 4096, dtype=torch.bfloat16, seed=19)
+    w = _randn(28672, 4096, dtype=torch.bfloat16, seed=20) * 0.02
+    two = silu_mul_triton(linear_gemv_triton(x, w))
+    assert torch.equal(gate_up_swiglu_gemv_triton(x, w), two)
+    monkeypatch.setattr(linear_mod, "FUSE_GATE_UP_SWIGLU", True)
+    assert torch.equal(linear_mod.gate_up_swiglu(x, w), two)
+    _close(two, silu_mul_ref(linear_ref(x, w)), 1.6e-2)
+
+
+@gpu
+@pytest.mark.gpu
+def test_engine_greedy_tokens_are_the_same_with_the_swiglu_epilogue_on_gpu(tmp_path):
+    """A bf16 dummy Llama decodes the same greedy tokens, with the same logprobs, with
+    FUSE_GATE_UP_SWIGLU on as off (bs=1 steps take the GEMV; graphs on)."""
+    from shunter.kernels import linear as linear_mod
+    from shunter.ops import gpu_parity as gp
+
+    hf_model, hf_cfg = gp.build_hf("small", torch.bfloat16, "cuda")
+    prompts = gp.random_prompts(hf_cfg.vocab_size, [17])
+    runs = gp.runs_with_setting(linear_mod, "FUSE_GATE_UP_SWIGLU", [False, True], hf_model,
+                                hf_cfg, tmp_path, prompts, 24, dtype=torch.bfloat16, graphs=True)  # fmt: skip
+    assert runs[0].tokens == runs[1].tokens
+    assert runs[0].top1 == runs[1].top1

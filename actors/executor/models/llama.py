@@ -28,8 +28,9 @@ from torch import nn
 
 from shunter.actors.executor.models.attention import AttentionContext, paged_attention
 from shunter.actors.executor.models.config import ModelConfig
+from shunter.kernels import linear as linear_mod
 from shunter.kernels.attention_decode import attention_decode_rope_store
-from shunter.kernels.linear import linear, norm_linear, silu_mul_linear
+from shunter.kernels.linear import gate_up_swiglu, linear, norm_linear, silu_mul_linear
 from shunter.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from shunter.kernels.rope import rope_cos_sin_cache, rope_gather, rope_rotate
 from shunter.kernels.rope_kv_store import rope_kv_store
@@ -118,6 +119,18 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=config.mlp_bias)
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
 
+    def swiglu_in_gate_up(self) -> bool:
+        """Whether the layer runs gate/up and the SwiGLU as one op (`swiglu_down`)."""
+        return linear_mod.FUSE_GATE_UP_SWIGLU and all(
+            type(m) is nn.Linear for m in (self.gate_up_proj, self.down_proj)
+        )
+
+    def swiglu_down(self, x: torch.Tensor) -> torch.Tensor:
+        """down(silu_mul(gate_up(x))) for the normed x [T, hidden]."""
+        gu = self.gate_up_proj
+        return linear(gate_up_swiglu(x, gu.weight, gu.bias), self.down_proj.weight,
+                      self.down_proj.bias)  # fmt: skip
+
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [T, 2 inter], the layer's gate/up projection (norm_project)."""
         if type(self.down_proj) is nn.Linear:  # SwiGLU folded into the projection's load
@@ -144,6 +157,9 @@ class LlamaDecoderLayer(nn.Module):
         qkv, residual = norm_project(attn.qkv_proj, self.input_layernorm, x, residual)
         h = attn(qkv, rope, ctx)
         norm = self.post_attention_layernorm
+        if mlp.swiglu_in_gate_up():
+            x_mlp, residual = fused_add_rmsnorm(h, residual, norm.weight, norm.eps)
+            return mlp.swiglu_down(x_mlp), residual
         gate_up, residual = norm_project(mlp.gate_up_proj, norm, h, residual)
         return mlp(gate_up), residual
 

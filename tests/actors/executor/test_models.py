@@ -117,3 +117,20 @@ def test_batch_invariance_of_greedy_tokens(tiny_model_dir, greedy):
     alone = [greedy(runner, [p], 12).tokens[0] for p in prompts]
     batched = greedy(runner, prompts, 12, first_page=20)
     assert batched.tokens == alone
+
+
+def test_swiglu_in_gate_up_path_gives_the_same_tokens(tiny_model_dir, greedy, monkeypatch):
+    """With FUSE_GATE_UP_SWIGLU on, a layer runs its MLP through gate_up_swiglu (the
+    epilogue GEMV on CUDA at one row, silu_mul after the projection elsewhere): the
+    same greedy tokens and logprobs as the default path."""
+    from shunter.kernels import linear as linear_mod
+
+    runner, _ = _runner(tiny_model_dir("llama"))
+    want = greedy(runner, PROMPTS, 6)
+    monkeypatch.setattr(linear_mod, "FUSE_GATE_UP_SWIGLU", True)
+    assert runner.model.model.layers[0].mlp.swiglu_in_gate_up()
+    got = greedy(runner, PROMPTS, 6, first_page=100)
+    assert got.tokens == want.tokens
+    for a, b in zip(got.logprobs, want.logprobs, strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, atol=1e-6, rtol=0)

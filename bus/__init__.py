@@ -3,7 +3,8 @@
 - `shunter.bus.messages`: the message catalog (the contract between actors).
 - `shunter.bus.codec`: the wire format, `Frames(topic, envelope, body)`.
 - `shunter.bus.transport`: the `Bus` API (publish, subscribe, subscribe_raw, request,
-  wait_connected) and the in-process transport (`InProcHub().connect("scheduler")`).
+  wait_connected); `shunter.bus.inproc`: the in-process transport
+  (`InProcHub().connect("scheduler")`).
 - `shunter.bus.subscription`: subscriptions, with gap and decode-failure events.
 - `shunter.bus.zmq_transport` / `shunter.bus.broker`: the ZMQ transport through an
   XSUB/XPUB broker (`ipc://` on one host, `tcp://` with CURVE across hosts).
@@ -31,11 +32,10 @@ push back on one subscriber without stalling every topic at the broker.
 from __future__ import annotations
 
 from shunter.bus.codec import Decoder, Frames, decode_envelope, encode
+from shunter.bus.inproc import InProcBus, InProcHub
 from shunter.bus.transport import (
     Bus,
     BusStatistics,
-    InProcBus,
-    InProcHub,
     RawSubscription,
     Received,
     Subscription,

@@ -31,8 +31,9 @@ import time
 import anyio
 
 from shunter.bus.codec import Decoder, decode_envelope, encode
+from shunter.bus.inproc import InProcHub
 from shunter.bus.messages import LAST_SAMPLED, Envelope, ForwardBatch, Heartbeat
-from shunter.bus.transport import Bus, InProcHub
+from shunter.bus.transport import Bus
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

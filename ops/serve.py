@@ -311,7 +311,7 @@ async def _tap(hub, endpoints, *, task_status=anyio.TASK_STATUS_IGNORED) -> None
 
 
 async def _serve_embedded(a: ServerArgs, seed: int, handle_signals: bool, health) -> int:
-    from shunter.bus.transport import InProcHub
+    from shunter.bus.inproc import InProcHub
     from shunter.ops.launch import resolve
 
     hub = InProcHub()

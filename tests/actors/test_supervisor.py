@@ -18,6 +18,7 @@ from shunter.actors.supervisor_core import (
     ActorSpec,
     SupervisorConfig,
 )
+from shunter.bus.inproc import InProcHub
 from shunter.bus.messages import (
     ActorDied,
     GenerateRequest,
@@ -27,7 +28,6 @@ from shunter.bus.messages import (
     TextDelta,
     TextDeltas,
 )
-from shunter.bus.transport import InProcHub
 
 # ---- shell on the in-process bus -----------------------------------------------------
 

@@ -7,7 +7,8 @@ import tempfile
 
 import pytest
 
-from shunter.bus.transport import Bus, InProcHub
+from shunter.bus.inproc import InProcHub
+from shunter.bus.transport import Bus
 
 TRANSPORTS = ["inproc", "zmq"]
 

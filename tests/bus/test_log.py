@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shunter.bus.codec import encode
+from shunter.bus.inproc import InProcHub
 from shunter.bus.log import (
     MAGIC,
     LogCorrupt,
@@ -35,7 +36,6 @@ from shunter.bus.messages import (
     Tick,
     TokensOut,
 )
-from shunter.bus.transport import InProcHub
 
 HERE = pathlib.Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location("make_golden", HERE / "make_golden.py")

@@ -14,6 +14,7 @@ import anyio
 import pytest
 
 from shunter.bus.codec import encode
+from shunter.bus.inproc import InProcHub
 from shunter.bus.log import LogReader, LogWriter, record
 from shunter.bus.messages import (
     Envelope,
@@ -33,7 +34,7 @@ from shunter.bus.replay import (
     registered,
     replay,
 )
-from shunter.bus.transport import Bus, InProcHub
+from shunter.bus.transport import Bus
 
 ACTOR = "accumulator"
 

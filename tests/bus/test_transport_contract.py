@@ -177,7 +177,7 @@ async def test_slow_subscriber_loses_nothing(connector):
 
 
 async def test_inproc_publisher_waits_when_subscriber_full():
-    from shunter.bus.transport import InProcHub
+    from shunter.bus.inproc import InProcHub
 
     hub = InProcHub(max_queue=2)
     a, b = hub.connect("a"), hub.connect("b")
@@ -344,7 +344,7 @@ _TOPIC_MSGS = {
 def test_inproc_delivers_exactly_the_matching_messages_in_order(plan, prefixes, max_queue):
     """Any mix of publishers and topics, tiny queues, consumers at different paces: each
     subscription gets exactly what matches its prefix, in publish order, without gaps."""
-    from shunter.bus.transport import InProcHub
+    from shunter.bus.inproc import InProcHub
 
     async def main():
         hub = InProcHub(max_queue=max_queue)

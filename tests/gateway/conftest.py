@@ -23,6 +23,7 @@ import pytest
 
 from shunter.actors.tokenizer import actor as tokenizer_actor
 from shunter.actors.tokenizer.config import TokenizerConfig
+from shunter.bus.inproc import InProcHub
 from shunter.bus.messages import (
     AbortRequest,
     DropTree,
@@ -35,7 +36,6 @@ from shunter.bus.messages import (
     TopLogprob,
     TreeDropped,
 )
-from shunter.bus.transport import InProcHub
 from shunter.gateway import actor as gateway_actor
 from shunter.gateway.config import GatewayConfig
 

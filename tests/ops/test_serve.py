@@ -13,8 +13,8 @@ import pytest
 
 from shunter.actors.supervisor import EmbeddedActor, Supervisor, run_with_heartbeats
 from shunter.actors.supervisor_core import ActorSpec, SupervisorConfig, SupervisorCore
+from shunter.bus.inproc import InProcHub
 from shunter.bus.messages import Ready
-from shunter.bus.transport import InProcHub
 from shunter.ops import serve
 from shunter.ops.launch import resolve
 from shunter.ops.serve import (

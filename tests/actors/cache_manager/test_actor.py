@@ -8,6 +8,7 @@ import pytest
 from shunter.actors.cache_manager.actor import INBOX_TOPICS, run
 from shunter.actors.cache_manager.config import CacheConfig
 from shunter.bus.codec import encode
+from shunter.bus.inproc import InProcHub
 from shunter.bus.log import LogReader, LogWriter, record
 from shunter.bus.messages import (
     AllBlocksCleared,
@@ -29,7 +30,6 @@ from shunter.bus.messages import (
     TreeDropped,
 )
 from shunter.bus.replay import replay
-from shunter.bus.transport import InProcHub
 
 pytestmark = pytest.mark.anyio
 

@@ -14,6 +14,7 @@ import pytest
 
 from shunter.actors.executor.actor import build_core, run
 from shunter.actors.executor.config import ExecutorConfig
+from shunter.bus.inproc import InProcHub
 from shunter.bus.messages import (
     LAST_SAMPLED,
     ForwardBatch,
@@ -23,7 +24,6 @@ from shunter.bus.messages import (
     SamplingParams,
     StepResult,
 )
-from shunter.bus.transport import InProcHub
 
 # A small Llama (random weights, seeded), so these tests measure the shell, not the model.
 TINY_LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512,

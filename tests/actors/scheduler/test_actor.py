@@ -17,6 +17,7 @@ from shunter.actors.scheduler.actor import run as run_scheduler
 from shunter.actors.scheduler.config import SchedulerConfig
 from shunter.actors.scheduler.core import SchedulerCore
 from shunter.actors.scheduler.sim import SimExecutor, mix64
+from shunter.bus.inproc import InProcHub
 from shunter.bus.log import record
 from shunter.bus.messages import (
     AbortRequest,
@@ -35,7 +36,7 @@ from shunter.bus.messages import (
     TokensOut,
 )
 from shunter.bus.replay import register_core, replay
-from shunter.bus.transport import Bus, InProcHub
+from shunter.bus.transport import Bus
 
 NUM_PAGES = 96
 

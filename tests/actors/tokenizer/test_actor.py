@@ -7,6 +7,7 @@ import anyio
 
 from shunter.actors.tokenizer import actor
 from shunter.actors.tokenizer.config import TokenizerConfig
+from shunter.bus.inproc import InProcHub
 from shunter.bus.messages import (
     AbortRequest,
     GenerateRequest,
@@ -18,7 +19,6 @@ from shunter.bus.messages import (
     Tokenized,
     TokensOut,
 )
-from shunter.bus.transport import InProcHub
 
 OUT_TYPES = (Ready, Tokenized, TextDeltas, AbortRequest, RequestFailed)
 

@@ -9,6 +9,7 @@ import msgspec
 from shunter.actors.tokenizer import actor
 from shunter.actors.tokenizer.config import TokenizerConfig
 from shunter.actors.tokenizer.core import INBOX_TYPES, TokenizerCore
+from shunter.bus.inproc import InProcHub
 from shunter.bus.log import record
 from shunter.bus.messages import (
     AbortRequest,
@@ -24,7 +25,6 @@ from shunter.bus.messages import (
     topic_of,
 )
 from shunter.bus.replay import register_core, replay
-from shunter.bus.transport import InProcHub
 
 CONFIG = TokenizerConfig(context_len=256)
 

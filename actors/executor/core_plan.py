@@ -6,12 +6,12 @@ Theory of operation: `plan_batch` checks a whole batch before anything is applie
 resolved (LAST_SAMPLED -> the row's pending sample when the host knows it; when that
 sample is still in flight on the device, the id stays LAST_SAMPLED and the entry is
 marked `from_device`: the core gathers it there), the rows the batch opens (not yet
-in the mirror), the batch's input ids (so resolved), new pages and opened rows' prefix pages as int64
-tensors.
-Those two are built once, here: a long list is range-checked on its tensor
-(torch.aminmax) rather than by Python's min and max, and the core stages the same
-tensors, so an 8k-token prefill converts each list once. Any inconsistency raises StepFailed naming the entry and the reason, so
-a malformed batch fails its step and leaves the mirror as it was. `logits_layout`
+in the mirror), and as int64 tensors the batch's input ids (so resolved), its new
+pages and each opened row's prefix pages. Each tensor is built once, here: a long list
+is range-checked on it (torch.aminmax) rather than by Python's min and max, and the
+core stages the same tensors, so an 8k-token prefill converts each list once. Any
+inconsistency raises StepFailed naming the entry and the reason, so a malformed batch
+fails its step and leaves the mirror as it was. `logits_layout`
 says which token positions the forward returns logits for and which entry reads
 each; `prompt_logprobs` turns a prompt-logprob entry's logits into its values.
 
@@ -191,7 +191,8 @@ def plan_batch(b: ForwardBatch, rows: dict[int, Row], g: Geometry) -> Plan:
                 f"{row.num_pages + num_new_pages} pages of {g.page_size}"
             )
         from_device = False
-        if ids[0] == LAST_SAMPLED:
+        skip = int(ids[0] == LAST_SAMPLED)  # range-checked below as what it resolves to
+        if skip:
             if row.pending is not None:
                 ids = [row.pending, *ids[1:]]
                 resolved.append((at, row.pending))
@@ -201,11 +202,13 @@ def plan_batch(b: ForwardBatch, rows: dict[int, Row], g: Geometry) -> Plan:
                 raise StepFailed(
                     f"entry {i}: LAST_SAMPLED for row {row_idx}, which has no pending sample"
                 )
-        known = ids[1:] if from_device else ids
-        if _outside(known, input_ids[at + int(from_device) : at + num_new], g.vocab_size):
+        known = ids[skip:]
+        if _outside(known, input_ids[at + skip : at + num_new], g.vocab_size) or (
+            skip and not from_device and not 0 <= ids[0] < g.vocab_size
+        ):
             raise StepFailed(
                 f"entry {i}: input id outside [0, {g.vocab_size})"
-                + (" (LAST_SAMPLED is only valid first)" if LAST_SAMPLED in ids else "")
+                + (" (LAST_SAMPLED is only valid first)" if LAST_SAMPLED in known else "")
             )
         start_lp = row.sampling.params.logprob_start_len
         lp_from = max(start_lp, row.num_tokens) if start_lp >= 0 and not row.has_sampled else -1

@@ -324,6 +324,15 @@ def test_long_batches_are_range_checked_on_their_tensors(model, at):
     ok = drv.step([(1, [LAST_SAMPLED]), (0, [7] * n)])
     assert ok.error is None and ok.rows == [1, 0]
     assert core.open_rows() == {0: (3 + n, 3 + n), 1: (3, 3)}
+    # A long entry that starts with LAST_SAMPLED: resolved to the row's pending sample,
+    # it runs as the same entry with that token written out.
+    tail = [9] * n
+    got = drv.step([(1, [LAST_SAMPLED, *tail])])
+    twin = Driver(make_core(model, num_pages=256))
+    twin.step([(0, [1, 2, 3])], opens=[open_row(0)])
+    twin.step([(1, [4, 5])], opens=[open_row(1)])
+    assert twin.step([(1, [LAST_SAMPLED]), (0, [7] * n)]).token_ids == ok.token_ids
+    assert twin.step([(1, [ok.token_ids[0], *tail])]).token_ids == got.token_ids
 
 
 def test_resumed_request_continues_its_seeded_stream(model):

@@ -8,9 +8,10 @@ Triton kernel of kernels/linear_triton.py (imported on first use); everything el
 for the fused forms. On an H200 a bs=1 step of Llama-3.1-8B ran 1.02-1.04x faster
 with the GEMV on qkv, o and down than with cuBLAS, and its one-weight-row tiles
 (gemv_config) added 1.02-1.03x, and moving gate/up and the logits (28,672 and 128,256
-rows) from cuBLAS onto it another 1.03x. The kernel can also fold the SwiGLU, or the add + RMSNorm, into its
-operand load (`FUSE_SILU`, `FUSE_NORM`), saving those launches, but every program then
-re-reads the activations and the step got slower (BENCHMARKS.md), so both are off.
+rows) from cuBLAS onto it another 1.03x. The kernel can also fold the SwiGLU, or the
+add + RMSNorm, into its operand load (`FUSE_SILU`, `FUSE_NORM`), saving those
+launches, but every program then re-reads the activations and the step got slower
+(BENCHMARKS.md), so both are off.
 `gate_up_swiglu` with `FUSE_GATE_UP_SWIGLU` applies the SwiGLU in the gate/up GEMV's
 store instead, where nothing is re-read.
 """

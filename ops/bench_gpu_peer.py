@@ -23,7 +23,8 @@ Theory of operation
     Figures: tok/s = B * steps / time, ms/step, and the fraction of the copy-bandwidth
     roofline (bench_gpu's `_copy_gbs` and `roofline_frac`), under the same keys as
     `shunter bench executor --device cuda`, so the two summaries line up. Sampling is
-    main()'s default (temperature 0.8, top_k 200) unless told otherwise. The JSON
+    main()'s default (temperature 0.8, top_k 200) unless told otherwise; `--top-k 0`
+    passes None, which skips gpt-fast's per-step topk over the vocabulary. The JSON
     summary is the last stdout line; --out writes it too.
     A module of its own rather than an option of `shunter bench executor`: it needs a
     gpt-fast checkout, and gpt-fast's `generate` imports sentencepiece and tiktoken.
@@ -71,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="run gpt-fast eagerly (a CPU smoke test)")  # fmt: skip
     p.add_argument("--temperature", type=float, default=0.8, help="generate.py main()'s default")
-    p.add_argument("--top-k", type=int, default=200, help="generate.py main()'s default")
+    p.add_argument("--top-k", type=int, default=200,
+                   help="generate.py main()'s default; 0: no top-k (sampling over all ids)")  # fmt: skip
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the JSON summary here")
@@ -219,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
     gen_cpu = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(0, c.vocab_size, (bs, plen), generator=gen_cpu, dtype=torch.int)
     prompts = prompts.to(dev)  # [B, P] int32
-    sampling = {"temperature": args.temperature, "top_k": args.top_k}
+    sampling = {"temperature": args.temperature, "top_k": args.top_k or None}
 
     with decode_compiled(gen, args.compile):
         t0 = time.perf_counter()

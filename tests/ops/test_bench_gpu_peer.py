@@ -91,7 +91,8 @@ def test_gpt_fast_s_named_config_equals_ours(peer):
 
 
 @needs_gpt_fast
-def test_eager_run_on_cpu(peer, tmp_path, capsys):
+@pytest.mark.parametrize("top_k", ["200", "0"])  # 0: no top-k
+def test_eager_run_on_cpu(peer, tmp_path, capsys, top_k):
     try:
         bp.import_peer(GPT_FAST, "generate")
     except ImportError as e:  # its tokenizer.py needs sentencepiece and tiktoken
@@ -99,7 +100,7 @@ def test_eager_run_on_cpu(peer, tmp_path, capsys):
     out = tmp_path / "peer.json"
     rc = bp.main(["--gpt-fast", GPT_FAST, "--model", "tiny-llama", "--device", "cpu",
                   "--no-compile", "--prompt-len", "16", "--decode-steps", "8",
-                  "--batch-size", "2", "--out", str(out)])  # fmt: skip
+                  "--batch-size", "2", "--top-k", top_k, "--out", str(out)])  # fmt: skip
     assert rc == 0
     s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert s == json.loads(out.read_text())

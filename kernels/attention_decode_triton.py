@@ -57,7 +57,7 @@ from shunter.kernels.attention_decode_merge_triton import (
     merge_partials,
     split_keys,
 )
-from shunter.kernels.pdl import pdl_enter, use_pdl
+from shunter.kernels.pdl import pdl_args, pdl_enter, use_pdl
 
 MIN_KEYS_PER_SPLIT = 256
 # The last split of each (entry, KV head) merges, with no merge kernel; measured no
@@ -370,9 +370,8 @@ def attention_decode_triton(
         BLOCK_G=max(triton.next_power_of_2(group), 16),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
-        USE_PDL=pdl,
         num_warps=4,
-        launch_pdl=pdl,
+        **pdl_args(pdl),
     )
     if not direct and not in_split:
         decode_merge_kernel[(bsz, num_heads)](
@@ -390,7 +389,6 @@ def attention_decode_triton(
             BLOCK_N=block_n,
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
-            USE_PDL=pdl,
-            launch_pdl=pdl,
+            **pdl_args(pdl),
         )
     return out

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shunter.kernels.pdl import use_pdl
+from shunter.kernels.pdl import pdl_args, pdl_enter, use_pdl
 
 MAX_ROWS = 4  # rows per program, all of a decode step's: W is read once
 
@@ -172,9 +172,7 @@ def _gemv_kernel(
     m_ok = rm < M
     w_tile = w_ptr + rn.to(tl.int64)[:, None] * w_row_stride + rk[None, :]
     w = tl.load(w_tile, mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(USE_PDL)
     if PROLOGUE >= _RMSNORM:  # each row's rstd, and program 0 writes the residual stream
         x_rows = x_ptr + rm[:, None] * x_row_stride
         res_rows = res_ptr + rm[:, None] * res_row_stride
@@ -219,9 +217,7 @@ def _gemv_swiglu_kernel(x_ptr, w_ptr, y_ptr, N, K, w_row_stride, BLOCK_N: tl.con
     m = n_ok[:, None] & (rk < K)[None, :]
     wg = tl.load(g_tile, mask=m, other=0.0)
     wu = tl.load(u_tile, mask=m, other=0.0)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(USE_PDL)
     zero = (rn * 0)[:, None]
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -312,9 +308,8 @@ def _launch(
         BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        USE_PDL=pdl,
-        launch_pdl=pdl,
         num_warps=warps,
+        **pdl_args(pdl),
     )
     return y, res_out
 
@@ -374,6 +369,6 @@ def gate_up_swiglu_gemv_triton(
     pdl = use_pdl(x) if pdl is None else pdl
     _gemv_swiglu_kernel[(triton.cdiv(n, block_n),)](
         x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-        USE_PDL=pdl, launch_pdl=pdl, num_warps=warps,
+        num_warps=warps, **pdl_args(pdl),
     )  # fmt: skip
     return y

@@ -10,9 +10,16 @@ step is hundreds of short kernels. flashinfer's attention kernels take part the 
 way (its `enable_pdl`, on by default on these devices), and captured CUDA graphs keep
 the programmatic edges.
 
-Invariants: every kernel launched with `launch_pdl=True` calls `pdl_enter` before it
-reads or writes memory another kernel touches; `use_pdl` is False off CUDA, below
-compute capability 9 and under the Triton interpreter (which has no such instruction).
+With TRIGGER_FIRST a kernel lets its dependents be scheduled before it waits itself,
+so a chain of short kernels (norm, rope, attention) and the projection after them can
+all be resident at once, the projection's weight loads (which depend on nothing) in
+flight while the short kernels run. Correct either way: a kernel's wait returns only
+once the grid before it has finished, and that grid finished only after its own wait.
+
+Invariants: every kernel launched with PDL takes its launch keywords from `pdl_args`
+and calls `pdl_enter` (or waits as it does) before it reads or writes memory another
+kernel touches; `use_pdl` is False off CUDA, below compute capability 9 and under the
+Triton interpreter (which has no such instruction).
 """
 
 from __future__ import annotations
@@ -23,6 +30,9 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+
+TRIGGER_FIRST = False  # launch dependents before waiting (module docstring)
 
 
 @functools.cache
@@ -37,8 +47,18 @@ def use_pdl(t: torch.Tensor) -> bool:
     return _capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
+def pdl_args(on: bool) -> dict:
+    """A PDL-aware kernel's launch keywords: its USE_PDL constexpr (0 off, 1 wait then
+    launch dependents, 2 the other way round: TRIGGER_FIRST) and Triton's launch_pdl."""
+    return {"USE_PDL": (2 if TRIGGER_FIRST else 1) if on else 0, "launch_pdl": on}
+
+
 @triton.jit
 def pdl_enter(USE_PDL: tl.constexpr):
-    if USE_PDL:
+    """Wait for the grid before this one and let the next be scheduled (pdl_args)."""
+    if USE_PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    elif USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

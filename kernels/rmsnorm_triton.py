@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shunter.kernels.pdl import pdl_enter, use_pdl
+from shunter.kernels.pdl import pdl_args, pdl_enter, use_pdl
 
 
 @triton.jit
@@ -83,9 +83,8 @@ def _launch(
             eps,
             FUSED_ADD=residual is not None,
             BLOCK=block,
-            USE_PDL=use_pdl(x2),
-            launch_pdl=use_pdl(x2),
             num_warps=min(max(block // 256, 1), 8),
+            **pdl_args(use_pdl(x2)),
         )
     return out.view(x.shape)
 

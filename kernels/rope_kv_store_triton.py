@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from shunter.kernels.kv_store import check_kv_store_shapes
-from shunter.kernels.pdl import pdl_enter, use_pdl
+from shunter.kernels.pdl import pdl_args, pdl_enter, use_pdl
 from shunter.kernels.rope_triton import _rotate_heads
 
 
@@ -127,6 +127,5 @@ def rope_kv_store_triton(
         BLOCK_HQ=triton.next_power_of_2(num_q_heads),
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(half),
-        USE_PDL=use_pdl(qk),
-        launch_pdl=use_pdl(qk),
+        **pdl_args(use_pdl(qk)),
     )

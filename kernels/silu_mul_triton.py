@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shunter.kernels.pdl import pdl_enter, use_pdl
+from shunter.kernels.pdl import pdl_args, pdl_enter, use_pdl
 
 
 @triton.jit
@@ -49,7 +49,6 @@ def silu_mul_triton(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] and inter:
         block = min(triton.next_power_of_2(inter), 1024)
         grid = (x2.shape[0], triton.cdiv(inter, block))
-        pdl = use_pdl(x2)
         _silu_mul_kernel[grid](x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block,
-                               USE_PDL=pdl, launch_pdl=pdl)  # fmt: skip
+                               **pdl_args(use_pdl(x2)))  # fmt: skip
     return out.view(*x.shape[:-1], inter)

@@ -44,8 +44,10 @@ def _compile(fn, pointers: dict[str, str], consts: dict, num_warps: int = 4) -> 
 
 
 def _facts(ptx: str) -> dict:
-    tickets = [ln.strip() for ln in ptx.splitlines() if "atom.global" in ln]
-    return {"tickets": tickets, "cg_loads": "ld.global.cg" in ptx}
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    tickets = [ln for ln in lines if "atom.global" in ln]
+    pdl = [ln.split()[0].rstrip(";") for ln in lines if ln.startswith("griddepcontrol")]
+    return {"tickets": tickets, "cg_loads": "ld.global.cg" in ptx, "pdl": pdl}
 
 
 def _run(name: str, build) -> tuple[str, dict]:
@@ -83,6 +85,9 @@ def compile_all() -> dict[str, dict]:
                       BLOCK_K=block_k, USE_PDL=True)  # fmt: skip
         out.update([_run(f"gemv-{pname}", lambda c=consts, w=warps: _compile(
             lt._gemv_kernel, gemv_ptrs, c, num_warps=w))])  # fmt: skip
+    consts = {**consts, "PROLOGUE": lt.PLAIN, "USE_PDL": 2}  # pdl.TRIGGER_FIRST
+    out.update([_run("gemv-trigger-first", lambda c=consts: _compile(lt._gemv_kernel, gemv_ptrs,
+                                                                     c))])  # fmt: skip
     block_n, block_k, warps = lt.gemv_config(28672, 4096)
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=True)
     out.update([_run("gemv-swiglu", lambda: _compile(lt._gemv_swiglu_kernel, gemv_ptrs, consts,
@@ -123,6 +128,13 @@ def test_decode_merge_kernel_builds_for_hopper(report):
 def test_gemv_kernel_configs_build_for_hopper(report, prologue):
     got = report[f"gemv-{prologue}"]
     assert "error" not in got, got.get("error")
+
+
+def test_pdl_modes_order_wait_and_trigger(report):
+    """USE_PDL 1 waits, then lets dependents launch; 2 (pdl.TRIGGER_FIRST) the other way."""
+    assert report["gemv-PLAIN"]["pdl"] == ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
+    assert report["gemv-trigger-first"]["pdl"] == ["griddepcontrol.launch_dependents",
+                                                   "griddepcontrol.wait"]  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Programmatic dependent launch (kernels/pdl.py): off where it cannot run, and on an
 H100/H200 a chain of PDL-launched kernels (as a decode layer chains them), eager and
-replayed from a CUDA graph, gives bit for bit the results of plain launches."""
+replayed from a CUDA graph, gives bit for bit the results of plain launches, also when
+each kernel lets the next launch before it waits (pdl.TRIGGER_FIRST)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,9 @@ def _chain(x, res, w_norm, w1, w2):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_pdl_chain_equals_plain_launches(monkeypatch):
+@pytest.mark.parametrize("trigger_first", [False, True])
+def test_pdl_chain_equals_plain_launches(monkeypatch, trigger_first):
+    monkeypatch.setattr(pdl, "TRIGGER_FIRST", trigger_first)
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs compute capability 9")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -68,9 +71,12 @@ def test_pdl_chain_equals_plain_launches(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_pdl_decode_attention_and_swiglu_equal_plain_launches(monkeypatch):
+@pytest.mark.parametrize("trigger_first", [False, True])
+def test_pdl_decode_attention_and_swiglu_equal_plain_launches(monkeypatch, trigger_first):
     """rope+store, split-KV attention (stage 1 and merge) and SwiGLU chained as in a
-    decode layer, under PDL and replayed from a graph, equal plain launches bit for bit."""
+    decode layer, under PDL (either order of wait and trigger) and replayed from a
+    graph, equal plain launches bit for bit."""
+    monkeypatch.setattr(pdl, "TRIGGER_FIRST", trigger_first)
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs compute capability 9")
     from shunter.kernels.attention_decode import plan_decode_rows

@@ -351,10 +351,12 @@ def run(args: argparse.Namespace) -> int:
                  f"{s['prefill_frac_of_matmul']:.1%} of the measured matmul")  # fmt: skip
     _say(line)
     if getattr(args, "kernel_profile", 0) and "prefill" in profiled:
-        from shunter.ops.bench_profile import format_rows, prefill_profile
+        from shunter.ops.bench_profile import format_idle, format_rows, prefill_profile
 
-        s["prefill_kernel_profile"] = kp = prefill_profile(driver, prompt)
-        _say(f"prefill of {len(prompt)} tokens, one step profiled:\n" + format_rows(kp, 1))
+        kp, s["prefill_idle"] = prefill_profile(driver, prompt)
+        s["prefill_kernel_profile"] = kp
+        _say(f"prefill of {len(prompt)} tokens, one step profiled:\n" + format_rows(kp, 1)
+             + "\n" + format_idle(s["prefill_idle"]))  # fmt: skip
 
     if not args.skip_hf:
         from shunter.ops.bench_gpu_hf import compare_hf

@@ -8,7 +8,9 @@ kernel name: calls, total and mean device time, share of the profiled time. The
 names show which op each kernel belongs to (cuBLAS GEMMs, flashinfer/Triton
 attention, the Triton norm/rope/activation kernels), so a step's gap to the
 bandwidth roofline can be attributed. `prefill_profile` does the same for one
-prefill of a whole prompt.
+prefill of a whole prompt, and lays that step's kernels on a timeline (`idle_gaps`):
+how long the device sat idle from the step's start to its last kernel, before the
+first kernel, and in the largest gaps between kernels, named by their neighbours.
 
 Invariants: leaves the driver with no open rows; the profiled steps' tokens are not
 checked (the decode benchmark does that).
@@ -44,9 +46,10 @@ def kernel_profile(
     return fold(prof.key_averages(), on_cuda, top)
 
 
-def prefill_profile(driver: Driver, prompt: list[int], top: int = 25) -> list[dict]:
-    """`kernel_profile`'s rows for one prefill of the whole prompt (after a warm one)."""
-    from torch.profiler import ProfilerActivity, profile
+def prefill_profile(driver: Driver, prompt: list[int], top: int = 25) -> tuple[list[dict], dict]:
+    """`kernel_profile`'s rows for one prefill of the whole prompt (after a warm one),
+    and `idle_gaps` of its timeline (empty on a CPU, which has no device kernels)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     dev = driver.core.runner.device
     on_cuda = dev.type == "cuda"
@@ -57,11 +60,60 @@ def prefill_profile(driver: Driver, prompt: list[int], top: int = 25) -> list[di
     if on_cuda:
         torch.cuda.synchronize(dev)
     with profile(activities=activities) as prof:
-        driver.prefill([prompt], len(prompt))
+        with record_function(STEP):
+            driver.prefill([prompt], len(prompt))
         if on_cuda:
             torch.cuda.synchronize(dev)
     driver.close_all()
-    return fold(prof.key_averages(), on_cuda, top)
+    idle: dict = {}
+    if on_cuda:
+        events = prof.events()
+        step = next(e for e in events if e.name == STEP)
+        kernels = [(e.time_range.start, e.time_range.end, e.name) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA]  # fmt: skip
+        idle = idle_gaps(kernels, step.time_range.start)
+    return fold(prof.key_averages(), on_cuda, top), idle
+
+
+STEP = "bench.prefill_step"  # the profiled step's host range
+
+
+def idle_gaps(kernels: list[tuple[float, float, str]], start: float, top: int = 8) -> dict:
+    """Where the device idled in a step: kernels as (start, end, name) in µs on the
+    host's clock, `start` the step's host start. {span_us: start to the last kernel's
+    end, busy_us: the union of the kernels, idle_us, head_us: start to the first
+    kernel, gaps: the `top` largest idle stretches between kernels as {us, after,
+    before}, gap_count and gap_us: all stretches between kernels}."""
+    if not kernels:
+        return {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "head_us": 0.0, "gaps": [],
+                "gap_count": 0, "gap_us": 0.0}  # fmt: skip
+    ks = sorted(kernels)
+    busy, gaps = 0.0, []
+    cur_s, cur_e, cur_name = ks[0]
+    for s, e, name in ks[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            gaps.append({"us": s - cur_e, "after": cur_name, "before": name})
+            cur_s, cur_e, cur_name = s, e, name
+        elif e > cur_e:
+            cur_e, cur_name = e, name
+    busy += cur_e - cur_s
+    span = cur_e - start
+    gaps.sort(key=lambda g: -g["us"])
+    return {"span_us": span, "busy_us": busy, "idle_us": span - busy, "head_us": ks[0][0] - start,
+            "gaps": gaps[:top], "gap_count": len(gaps), "gap_us": sum(g["us"] for g in gaps)}
+
+
+def format_idle(idle: dict) -> str:
+    """A few lines: span, busy, idle (head and between kernels), the largest gaps."""
+    if not idle.get("span_us"):
+        return "no device kernels traced"
+    lines = [f"span {idle['span_us']:.0f} us, kernels busy {idle['busy_us']:.0f} us, idle "
+             f"{idle['idle_us']:.0f} us: {idle['head_us']:.0f} before the first kernel, "
+             f"{idle['gap_us']:.0f} in {idle['gap_count']} gaps between kernels"]  # fmt: skip
+    for g in idle["gaps"]:
+        lines.append(f"  {g['us']:8.1f} us after {g['after'][:50]} before {g['before'][:50]}")
+    return "\n".join(lines)
 
 
 def fold(averages, device_time: bool, top: int) -> list[dict]:

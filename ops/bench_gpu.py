@@ -80,6 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--cuda-graph-max-bs", type=int, default=None)
     g.add_argument("--token-budget", type=int, default=8192, help="prefill tokens per batch")
+    g.add_argument("--prefill-pause", type=float, default=0.0, metavar="SECONDS",
+                   help="idle device time before each timed prefill (default 0: back to back)")  # fmt: skip
     g.add_argument("--bs1-prompt-len", type=int, default=128)
     g.add_argument("--hf-new-tokens", type=int, default=128, help="HF generate's new tokens")
     g.add_argument("--offline-requests", type=int, default=256)
@@ -197,10 +199,14 @@ def roofline_frac(c: ModelConfig, tok_s: float, bs: int, prompt_len: int, steps:
     return tok_s / (bs * copy_gbs * 1e9 / nbytes)
 
 
-def bench_prefill(driver: Driver, prompt: list[int], repeats: int) -> tuple[float, float]:
+def bench_prefill(driver: Driver, prompt: list[int], repeats: int,
+                  pause: float = 0.0) -> tuple[float, float]:  # fmt: skip
     """(best seconds of one whole-prompt prefill (one batch) over `repeats` runs, the
     host seconds of that run from its start to the model's first launch: the time the
-    device idles before the step, spent building, checking and staging the batch)."""
+    device idles before the step, spent building, checking and staging the batch).
+    `pause` seconds of idle device before each run: back to back (0) the runs heat the
+    chip and its clocks fall within a run; a pause measures a prefill that arrives at
+    a rested device, as one does between bursts of serving."""
     dev = driver.core.runner.device
     best, host, entered = float("inf"), 0.0, [0.0]
 
@@ -213,6 +219,8 @@ def bench_prefill(driver: Driver, prompt: list[int], repeats: int) -> tuple[floa
                       leave=False):  # fmt: skip
             driver.close_all()
             _sync(dev)
+            if pause > 0:
+                time.sleep(pause)
             t0 = time.perf_counter()
             driver.prefill([prompt], len(prompt))
             _sync(dev)
@@ -337,12 +345,15 @@ def run(args: argparse.Namespace) -> int:
             _say(f"bs={bs} decode, {args.kernel_profile} steps profiled:\n"
                  + format_rows(kp, args.kernel_profile))  # fmt: skip
     (prompt,) = random_prompts(1, args.prefill_len, vocab, args.seed)
-    dt, host_s = bench_prefill(driver, prompt, args.repeats)
+    dt, host_s = bench_prefill(driver, prompt, args.repeats, args.prefill_pause)
+    s["prefill_pause_s"] = args.prefill_pause
     flops = prefill_flops(mcfg, len(prompt))
     s["prefill_tok_s"], s["prefill_tflops"] = len(prompt) / dt, flops / dt / 1e12
     s["prefill_host_ms"] = host_s * 1e3
     line = (f"prefill {len(prompt)} tokens: {s['prefill_tok_s']:.0f} tok/s, "
-            f"{s['prefill_tflops']:.0f} TFLOP/s, {host_s * 1e3:.2f} ms on the host before "
+            f"{s['prefill_tflops']:.0f} TFLOP/s"
+            f"{f' ({args.prefill_pause:g} s idle before each run)' if args.prefill_pause else ''}, "
+            f"{host_s * 1e3:.2f} ms on the host before "
             "the model")  # fmt: skip
     if dev.type == "cuda":
         s["prefill_mfu"] = flops / dt / H200_PEAK_BF16_FLOPS

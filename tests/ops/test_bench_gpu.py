@@ -148,7 +148,8 @@ def test_whole_run_on_a_cpu_at_toy_sizes(tmp_path, capsys):
                   "--decode-prompt-len", "16", "--bs1-prompt-len", "8", "--repeats", "1",
                   "--hf-new-tokens", "4", "--offline-requests", "3", "--offline-input-len",
                   "16", "--offline-output-len", "4", "--kernel-profile", "2",
-                  "--kernel-profile-bs", "1,2,prefill", "--out", str(out)])  # fmt: skip
+                  "--kernel-profile-bs", "1,2,prefill", "--prefill-pause", "0.01",
+                  "--out", str(out)])  # fmt: skip
     assert bg.run(args) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     summary = json.loads(last)
@@ -167,6 +168,8 @@ def test_whole_run_on_a_cpu_at_toy_sizes(tmp_path, capsys):
     assert any("mm" in r["name"] or "linear" in r["name"] for r in prof)
     assert summary["bs2_kernel_profile"]
     assert summary["prefill_kernel_profile"]
+    assert summary["prefill_idle"] == {}  # no device kernels on a CPU
+    assert summary["prefill_pause_s"] == 0.01
 
 
 def test_sampled_run_reports_no_greedy_agreement(capsys):

@@ -14,7 +14,8 @@ state never leaks between variants), in an order rotated by one each round, so n
 variant always runs first on a cooling or warming device. The figures compared are
 the summary's decode rates, prefill rate, MFU and host time, and the offline rate
 (or those named by --metric); each variant's value is the median over its rounds,
-and the table gives it beside the first variant's as a ratio. A variant whose
+and the table gives it beside the first variant's as a ratio (each run's figures are
+printed as it ends, so a comparison cut short still shows them). A variant whose
 process fails is reported with its exit status and stderr tail, and the command
 fails. The JSON summary (per variant, per metric: every round's value and the
 median; the ratios) is the last stdout line.
@@ -139,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
                     print(f"bench ab: variant {name} exited {proc.returncode}:\n"
                           f"{proc.stderr[-2000:]}", file=sys.stderr)  # fmt: skip
                     return 1
-                runs[name].append(_metrics(json.loads(out.read_text()), args.metric))
+                runs[name].append(got := _metrics(json.loads(out.read_text()), args.metric))
+                print("  " + ", ".join(f"{k} {v:.4g}" for k, v in got.items()), flush=True)
     base = names[0]
     keys = [k for k in runs[base][0] if all(k in m for n in names for m in runs[n])]
     med = {n: {k: statistics.median(m[k] for m in runs[n]) for k in keys} for n in names}

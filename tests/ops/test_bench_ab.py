@@ -38,6 +38,8 @@ def test_two_variants_alternate_and_compare(capsys):
         assert len(summary["values"]["fused"][key]) == 2
         assert summary["ratio"]["fused"][key] > 0
         assert key in out  # a table row
+    per_run = [ln for ln in lines if ln.startswith("  decode_tok_s_bs1 ")]
+    assert len(per_run) == 4  # each run's figures as it ends
 
 
 def test_a_failing_variant_fails_the_command(capsys):

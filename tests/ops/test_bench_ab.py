@@ -38,7 +38,7 @@ def test_two_variants_alternate_and_compare(capsys):
         assert len(summary["values"]["fused"][key]) == 2
         assert summary["ratio"]["fused"][key] > 0
         assert key in out  # a table row
-    per_run = [ln for ln in lines if ln.startswith("  decode_tok_s_bs1 ")]
+    per_run = [ln for ln in lines if ln.startswith("  ") and "decode_tok_s_bs1 " in ln]
     assert len(per_run) == 4  # each run's figures as it ends
 
 

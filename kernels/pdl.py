@@ -31,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 TRIGGER_FIRST = False  # launch dependents before waiting (module docstring)
 
 

@@ -1,7 +1,7 @@
 """The Triton kernels whose variants CI cannot run compile for Hopper (sm_90) on a
 machine without a GPU: Triton's own front end, its GPU passes and the ptxas it ships
 build each variant, so a variant only the device would run (the decode kernel's
-in-split merge and rope + store, the GEMV's prologues) cannot reach the device
+in-split merge and rope + store, the GEMV's prologues and epilogues) cannot reach the device
 broken by a compile error. Interpreter tests check what they compute; this checks
 that they build, and that the in-split merge's ticket is one acquire-release atomic
 of one thread between CTA barriers.
@@ -92,6 +92,14 @@ def compile_all() -> dict[str, dict]:
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=True)
     out.update([_run("gemv-swiglu", lambda: _compile(lt._gemv_swiglu_kernel, gemv_ptrs, consts,
                                                      num_warps=warps))])  # fmt: skip
+    from shunter.kernels import qkv_rope_store_triton as qrt
+
+    qkv_ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "q_ptr", "kc_ptr", "vc_ptr")}
+    qkv_ptrs.update(pos_ptr="*i64", slots_ptr="*i64", cs_ptr="*fp32")
+    block_n, block_k, warps = lt.gemv_config(6144, 4096)
+    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=True)
+    out.update([_run("gemv-qkv-rope-store", lambda: _compile(
+        qrt._qkv_rope_store_kernel, qkv_ptrs, consts, num_warps=warps))])  # fmt: skip
     return out
 
 
@@ -124,7 +132,7 @@ def test_decode_merge_kernel_builds_for_hopper(report):
     assert "error" not in report["merge"], report["merge"].get("error")
 
 
-@pytest.mark.parametrize("prologue", [*GEMV_PROLOGUES, "swiglu"])
+@pytest.mark.parametrize("prologue", [*GEMV_PROLOGUES, "swiglu", "qkv-rope-store"])
 def test_gemv_kernel_configs_build_for_hopper(report, prologue):
     got = report[f"gemv-{prologue}"]
     assert "error" not in got, got.get("error")
@@ -132,7 +140,10 @@ def test_gemv_kernel_configs_build_for_hopper(report, prologue):
 
 def test_pdl_modes_order_wait_and_trigger(report):
     """USE_PDL 1 waits, then lets dependents launch; 2 (pdl.TRIGGER_FIRST) the other way."""
-    assert report["gemv-PLAIN"]["pdl"] == ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
+    assert report["gemv-PLAIN"]["pdl"] == [
+        "griddepcontrol.wait",
+        "griddepcontrol.launch_dependents",
+    ]
     assert report["gemv-trigger-first"]["pdl"] == ["griddepcontrol.launch_dependents",
                                                    "griddepcontrol.wait"]  # fmt: skip
 

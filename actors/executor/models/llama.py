@@ -3,8 +3,9 @@
 Theory of operation: tokens of all entries of a step are one flat [num_tokens] axis
 (no batch/padding axis); positions come with them. Each layer: RMSNorm, one fused
 qkv projection (optional bias), optional per-head q/k RMSNorm (Qwen3), rope and the
-store of the new K/V into the pool (one op without q/k norms), paged attention through
-the step's AttentionContext, output projection, fused add+RMSNorm, fused gate/up
+store of the new K/V into the pool (one op without q/k norms; in a one-row decode
+step optionally the qkv projection's epilogue, kernels/qkv_rope_store.py), paged
+attention through the step's AttentionContext, output projection, fused add+RMSNorm, fused gate/up
 projection, and the down projection of SiLU(gate)*up. The norms and the activation
 go through the projections after them (`norm_project`, `silu_mul_linear`), so that
 kernels/linear.py may fold them into a decode GEMV's operand load.
@@ -29,7 +30,8 @@ from torch import nn
 from shunter.actors.executor.models.attention import AttentionContext, paged_attention
 from shunter.actors.executor.models.config import ModelConfig
 from shunter.kernels import linear as linear_mod
-from shunter.kernels.attention_decode import attention_decode_rope_store
+from shunter.kernels import qkv_rope_store as qkv_rope_mod
+from shunter.kernels.attention_decode import attention_decode, attention_decode_rope_store
 from shunter.kernels.linear import gate_up_swiglu, linear, norm_linear, silu_mul_linear
 from shunter.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from shunter.kernels.rope import rope_cos_sin_cache, rope_gather, rope_rotate
@@ -111,6 +113,25 @@ class LlamaAttention(nn.Module):
         o = paged_attention(ctx, self.layer_idx, q, k, v, self.scale, stored=stored)  # [T, H, D]
         return project(self.o_proj, o.reshape(num_tokens, self.q_size))
 
+    def rope_store_in_qkv(self, x: torch.Tensor, ctx: AttentionContext) -> bool:
+        """Whether this decode step's qkv projection also applies rope and stores k, v
+        (`forward_normed`), for the layer's input x."""
+        proj = self.qkv_proj
+        return (ctx.decode_only and not self.qk_norm and type(proj) is nn.Linear
+                and qkv_rope_mod.fusable(x, proj.weight, proj.bias))  # fmt: skip
+
+    def forward_normed(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext
+    ) -> torch.Tensor:
+        """The layer's attention from its normed input h (qkv, rope and the store in one
+        kernel; see `rope_store_in_qkv`)."""
+        i, proj = self.layer_idx, self.qkv_proj
+        kv = (ctx.k_buffers[i], ctx.v_buffers[i])
+        q = qkv_rope_mod.qkv_rope_store(h, proj.weight, proj.bias, rope, *kv, ctx.out_slots,
+                                        self.num_heads)  # fmt: skip
+        o = attention_decode(q, *kv, ctx.decode_plan, self.scale)
+        return project(self.o_proj, o.reshape(h.shape[0], self.q_size))
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -154,8 +175,13 @@ class LlamaDecoderLayer(nn.Module):
         ctx: AttentionContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         attn, mlp = self.self_attn, self.mlp
-        qkv, residual = norm_project(attn.qkv_proj, self.input_layernorm, x, residual)
-        h = attn(qkv, rope, ctx)
+        if attn.rope_store_in_qkv(x, ctx):
+            norm = self.input_layernorm
+            h, residual = fused_add_rmsnorm(x, residual, norm.weight, norm.eps)
+            h = attn.forward_normed(h, rope, ctx)
+        else:
+            qkv, residual = norm_project(attn.qkv_proj, self.input_layernorm, x, residual)
+            h = attn(qkv, rope, ctx)
         norm = self.post_attention_layernorm
         if mlp.swiglu_in_gate_up():
             x_mlp, residual = fused_add_rmsnorm(h, residual, norm.weight, norm.eps)

@@ -13,7 +13,7 @@ add + RMSNorm, into its operand load (`FUSE_SILU`, `FUSE_NORM`), saving those
 launches, but every program then re-reads the activations and the step got slower
 (BENCHMARKS.md), so both are off.
 `gate_up_swiglu` with `FUSE_GATE_UP_SWIGLU` applies the SwiGLU in the gate/up GEMV's
-store instead, where nothing is re-read.
+store instead, where nothing is re-read; that measured no faster either, and is off.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ GEMV_MAX_N = 1 << 18  # widest weight (output rows) it takes
 FUSE_NORM = False  # norm_linear folds the (add +) RMSNorm into the GEMV's load
 FUSE_SILU = False  # silu_mul_linear folds the SwiGLU into the GEMV's load
 # gate_up_swiglu: a one-row gate/up GEMV applies the SwiGLU as it stores (no re-reads;
-# one launch a layer fewer); not yet measured in a whole step, so off.
+# one launch a layer fewer); a whole bs=1 step on an H100 measured no faster (1.003x
+# and, with the qkv epilogue, 0.998x: BENCHMARKS.md), so off.
 FUSE_GATE_UP_SWIGLU = False
 _SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 

@@ -14,10 +14,11 @@ Theory of operation
       3. decode throughput at each other batch size B: B prompts of --decode-prompt-len
          prefilled in batches of --token-budget tokens, then --decode-steps steps timed;
          tok/s = B * steps / time, with its roofline fraction too.
-      4. prefill of one --prefill-len prompt (best of --repeats): tok/s and MFU, model
-         FLOPs (`prefill_flops`) / time against the datasheet peak and against the
-         measured matmul rate; and that run's host time before the model's first
-         launch (the device idles meanwhile: batch building, checks, staging).
+      4. prefill of one --prefill-len prompt (best of --repeats; bench_gpu_prefill.py):
+         tok/s and MFU, model FLOPs (`prefill_flops`) / time against the datasheet
+         peak and against the measured matmul rate; that run's host time before the
+         model's first launch (the device idles meanwhile: batch building, checks,
+         staging); every run's time in order, with the clocks under --prefill-clocks.
       5. HF transformers `generate` on the same weights (bench_gpu_hf.py) at bs=1 and at
          the batch sizes <= 64 (--hf-new-tokens each): decode tok/s and our ratio.
       6. offline: --offline-requests random requests of --offline-input-len tokens, each
@@ -47,13 +48,12 @@ from shunter.actors.executor.models.config import ModelConfig
 from shunter.ops import bench_settings
 from shunter.ops.bench_gpu_driver import GREEDY, Driver, offline_run, random_prompts
 from shunter.ops.bench_gpu_model import (
-    H200_PEAK_BF16_FLOPS,
     MODELS,
     decode_step_bytes,
     kv_bytes_per_token,
-    prefill_flops,
     write_model_dir,
 )
+from shunter.ops.bench_gpu_prefill import measure_prefill
 
 GPU_DEFAULTS = dict(dtype="bfloat16", prefill_len=8192, decode_prompt_len=1024, decode_steps=256,
                     batch_sizes="1,64,256", repeats=3)  # fmt: skip
@@ -82,6 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--token-budget", type=int, default=8192, help="prefill tokens per batch")
     g.add_argument("--prefill-pause", type=float, default=0.0, metavar="SECONDS",
                    help="idle device time before each timed prefill (default 0: back to back)")  # fmt: skip
+    g.add_argument("--prefill-clocks", action="store_true",
+                   help="read the GPU's SM clock and power after each timed prefill "
+                        "(nvidia-smi, a few tens of ms between runs)")  # fmt: skip
     g.add_argument("--bs1-prompt-len", type=int, default=128)
     g.add_argument("--hf-new-tokens", type=int, default=128, help="HF generate's new tokens")
     g.add_argument("--offline-requests", type=int, default=256)
@@ -199,40 +202,6 @@ def roofline_frac(c: ModelConfig, tok_s: float, bs: int, prompt_len: int, steps:
     return tok_s / (bs * copy_gbs * 1e9 / nbytes)
 
 
-def bench_prefill(driver: Driver, prompt: list[int], repeats: int,
-                  pause: float = 0.0) -> tuple[float, float]:  # fmt: skip
-    """(best seconds of one whole-prompt prefill (one batch) over `repeats` runs, the
-    host seconds of that run from its start to the model's first launch: the time the
-    device idles before the step, spent building, checking and staging the batch).
-    `pause` seconds of idle device before each run: back to back (0) the runs heat the
-    chip and its clocks fall within a run; a pause measures a prefill that arrives at
-    a rested device, as one does between bursts of serving."""
-    dev = driver.core.runner.device
-    best, host, entered = float("inf"), 0.0, [0.0]
-
-    def mark(_module, _args) -> None:
-        entered[0] = time.perf_counter()
-
-    hook = driver.core.runner.model.register_forward_pre_hook(mark)
-    try:
-        for i in tqdm(range(repeats + 1), desc="prefill", unit="run", file=sys.stderr,
-                      leave=False):  # fmt: skip
-            driver.close_all()
-            _sync(dev)
-            if pause > 0:
-                time.sleep(pause)
-            t0 = time.perf_counter()
-            driver.prefill([prompt], len(prompt))
-            _sync(dev)
-            dt = time.perf_counter() - t0
-            if i and dt < best:  # the first run warms up
-                best, host = dt, entered[0] - t0
-    finally:
-        hook.remove()
-    driver.close_all()
-    return best, host
-
-
 # ---- the run -------------------------------------------------------------------------------
 
 
@@ -345,29 +314,8 @@ def run(args: argparse.Namespace) -> int:
             _say(f"bs={bs} decode, {args.kernel_profile} steps profiled:\n"
                  + format_rows(kp, args.kernel_profile))  # fmt: skip
     (prompt,) = random_prompts(1, args.prefill_len, vocab, args.seed)
-    dt, host_s = bench_prefill(driver, prompt, args.repeats, args.prefill_pause)
-    s["prefill_pause_s"] = args.prefill_pause
-    flops = prefill_flops(mcfg, len(prompt))
-    s["prefill_tok_s"], s["prefill_tflops"] = len(prompt) / dt, flops / dt / 1e12
-    s["prefill_host_ms"] = host_s * 1e3
-    line = (f"prefill {len(prompt)} tokens: {s['prefill_tok_s']:.0f} tok/s, "
-            f"{s['prefill_tflops']:.0f} TFLOP/s"
-            f"{f' ({args.prefill_pause:g} s idle before each run)' if args.prefill_pause else ''}, "
-            f"{host_s * 1e3:.2f} ms on the host before "
-            "the model")  # fmt: skip
-    if dev.type == "cuda":
-        s["prefill_mfu"] = flops / dt / H200_PEAK_BF16_FLOPS
-        s["prefill_frac_of_matmul"] = s["prefill_tflops"] / s["matmul_tflops"]
-        line += (f", MFU {s['prefill_mfu']:.1%} of {H200_PEAK_BF16_FLOPS / 1e12:.1f} TFLOP/s, "
-                 f"{s['prefill_frac_of_matmul']:.1%} of the measured matmul")  # fmt: skip
-    _say(line)
-    if getattr(args, "kernel_profile", 0) and "prefill" in profiled:
-        from shunter.ops.bench_profile import format_idle, format_rows, prefill_profile
-
-        kp, s["prefill_idle"] = prefill_profile(driver, prompt)
-        s["prefill_kernel_profile"] = kp
-        _say(f"prefill of {len(prompt)} tokens, one step profiled:\n" + format_rows(kp, 1)
-             + "\n" + format_idle(s["prefill_idle"]))  # fmt: skip
+    profile = bool(getattr(args, "kernel_profile", 0)) and "prefill" in profiled
+    measure_prefill(driver, args, mcfg, prompt, s, profile=profile)
 
     if not args.skip_hf:
         from shunter.ops.bench_gpu_hf import compare_hf

@@ -100,8 +100,15 @@ def idle_gaps(kernels: list[tuple[float, float, str]], start: float, top: int = 
     busy += cur_e - cur_s
     span = cur_e - start
     gaps.sort(key=lambda g: -g["us"])
-    return {"span_us": span, "busy_us": busy, "idle_us": span - busy, "head_us": ks[0][0] - start,
-            "gaps": gaps[:top], "gap_count": len(gaps), "gap_us": sum(g["us"] for g in gaps)}
+    return {
+        "span_us": span,
+        "busy_us": busy,
+        "idle_us": span - busy,
+        "head_us": ks[0][0] - start,
+        "gaps": gaps[:top],
+        "gap_count": len(gaps),
+        "gap_us": sum(g["us"] for g in gaps),
+    }
 
 
 def format_idle(idle: dict) -> str:

@@ -145,11 +145,11 @@ def test_whole_run_on_a_cpu_at_toy_sizes(tmp_path, capsys):
     out = tmp_path / "bench.json"
     args = _args(["--device", "cpu", "--model", "tiny-llama", "--dtype", "float32",
                   "--batch-sizes", "1,2", "--decode-steps", "4", "--prefill-len", "64",
-                  "--decode-prompt-len", "16", "--bs1-prompt-len", "8", "--repeats", "1",
+                  "--decode-prompt-len", "16", "--bs1-prompt-len", "8", "--repeats", "2",
                   "--hf-new-tokens", "4", "--offline-requests", "3", "--offline-input-len",
                   "16", "--offline-output-len", "4", "--kernel-profile", "2",
                   "--kernel-profile-bs", "1,2,prefill", "--prefill-pause", "0.01",
-                  "--out", str(out)])  # fmt: skip
+                  "--prefill-clocks", "--out", str(out)])  # fmt: skip
     assert bg.run(args) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     summary = json.loads(last)
@@ -170,6 +170,9 @@ def test_whole_run_on_a_cpu_at_toy_sizes(tmp_path, capsys):
     assert summary["prefill_kernel_profile"]
     assert summary["prefill_idle"] == {}  # no device kernels on a CPU
     assert summary["prefill_pause_s"] == 0.01
+    runs = summary["prefill_runs"]  # every timed run in order; no GPU clocks on a CPU
+    assert [set(r) for r in runs] == [{"ms"}, {"ms"}] and all(r["ms"] > 0 for r in runs)
+    assert min(r["ms"] for r in runs) == pytest.approx(64e3 / summary["prefill_tok_s"], rel=1e-3)
 
 
 def test_sampled_run_reports_no_greedy_agreement(capsys):

@@ -47,6 +47,10 @@ import triton.language as tl
 from shunter.kernels.pdl import pdl_args, pdl_enter, use_pdl
 
 MAX_ROWS = 4  # rows per program, all of a decode step's: W is read once
+# The weight loads' L2 eviction policy ("" the default, "evict_first", "evict_last"): a
+# step reads each weight once, so "evict_first" would keep them from displacing the
+# activations and the KV in L2. Not yet measured, so the default.
+WEIGHT_EVICTION = ""
 
 PLAIN, SILU_MUL, RMSNORM, ADD_RMSNORM = 0, 1, 2, 3  # the prologue
 _PLAIN, _SILU_MUL, _RMSNORM, _ADD_RMSNORM = (tl.constexpr(0), tl.constexpr(1), tl.constexpr(2),
@@ -106,7 +110,7 @@ def _row_rstd(rstd, rm, row):
 def _gemv_rows(x_ptr, res_ptr, norm_w_ptr, w, w_tile, b_ptr, y_ptr, rn, rk, n_ok, M, K,
                x_row_stride, res_row_stride, y_row_stride, r0, r1, r2, r3,
                PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_EVICT: tl.constexpr):  # fmt: skip
     """The main loop: one [BLOCK_N, BLOCK_K] float32 accumulator per row (up to four)
     in W's register layout, so the weight stream keeps its 16-byte loads and the
     registers stay at what one row needs; r0..r3: the rows' rstd (RMSNorm)."""
@@ -118,7 +122,8 @@ def _gemv_rows(x_ptr, res_ptr, norm_w_ptr, w, w_tile, b_ptr, y_ptr, rn, rk, n_ok
     acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         nxt = k0 + BLOCK_K + rk
-        w_next = tl.load(w_tile + k0 + BLOCK_K, mask=n_ok[:, None] & (nxt < K)[None, :], other=0.0)
+        w_next = tl.load(w_tile + k0 + BLOCK_K, mask=n_ok[:, None] & (nxt < K)[None, :], other=0.0,
+                         eviction_policy=W_EVICT)  # fmt: skip
         wf = w.to(tl.float32)
         acc0 += wf * _operand(x_ptr, res_ptr, norm_w_ptr, 0, k0, zero, kz, rk, M, K,
                               x_row_stride, res_row_stride, r0, PROLOGUE)  # fmt: skip
@@ -163,6 +168,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
+    W_EVICT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -171,7 +177,7 @@ def _gemv_kernel(
     n_ok = rn < N
     m_ok = rm < M
     w_tile = w_ptr + rn.to(tl.int64)[:, None] * w_row_stride + rk[None, :]
-    w = tl.load(w_tile, mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
+    w = tl.load(w_tile, mask=n_ok[:, None] & (rk < K)[None, :], other=0.0, eviction_policy=W_EVICT)
     pdl_enter(USE_PDL)
     if PROLOGUE >= _RMSNORM:  # each row's rstd, and program 0 writes the residual stream
         x_rows = x_ptr + rm[:, None] * x_row_stride
@@ -200,12 +206,13 @@ def _gemv_kernel(
         r3 = 1.0
     _gemv_rows(x_ptr, res_ptr, norm_w_ptr, w, w_tile, b_ptr, y_ptr, rn, rk, n_ok, M, K,
                x_row_stride, res_row_stride, y_row_stride, r0, r1, r2, r3,
-               PROLOGUE, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+               PROLOGUE, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, W_EVICT)  # fmt: skip
 
 
 @triton.jit
 def _gemv_swiglu_kernel(x_ptr, w_ptr, y_ptr, N, K, w_row_stride, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+                        BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+                        W_EVICT: tl.constexpr):  # fmt: skip
     """One row x [K]: y[n] = silu(g[n]) * u[n] for g, u = x @ W[n]^T, x @ W[N + n]^T,
     each rounded to y's dtype as the GEMV stores it, then rounded as silu_mul does."""
     pid = tl.program_id(0)
@@ -215,16 +222,16 @@ def _gemv_swiglu_kernel(x_ptr, w_ptr, y_ptr, N, K, w_row_stride, BLOCK_N: tl.con
     g_tile = w_ptr + rn.to(tl.int64)[:, None] * w_row_stride + rk[None, :]
     u_tile = w_ptr + (rn + N).to(tl.int64)[:, None] * w_row_stride + rk[None, :]
     m = n_ok[:, None] & (rk < K)[None, :]
-    wg = tl.load(g_tile, mask=m, other=0.0)
-    wu = tl.load(u_tile, mask=m, other=0.0)
+    wg = tl.load(g_tile, mask=m, other=0.0, eviction_policy=W_EVICT)
+    wu = tl.load(u_tile, mask=m, other=0.0, eviction_policy=W_EVICT)
     pdl_enter(USE_PDL)
     zero = (rn * 0)[:, None]
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         m = n_ok[:, None] & ((k0 + BLOCK_K + rk) < K)[None, :]
-        wg_next = tl.load(g_tile + k0 + BLOCK_K, mask=m, other=0.0)
-        wu_next = tl.load(u_tile + k0 + BLOCK_K, mask=m, other=0.0)
+        wg_next = tl.load(g_tile + k0 + BLOCK_K, mask=m, other=0.0, eviction_policy=W_EVICT)
+        wu_next = tl.load(u_tile + k0 + BLOCK_K, mask=m, other=0.0, eviction_policy=W_EVICT)
         op = tl.load(x_ptr + k0 + zero + rk[None, :], mask=((k0 + rk) < K)[None, :], other=0.0)
         op = op.to(tl.float32)
         acc_g += wg.to(tl.float32) * op
@@ -264,6 +271,7 @@ def _launch(
     eps: float = 0.0,
     config: tuple[int, int, int] | None = None,
     pdl: bool | None = None,
+    eviction: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     assert x.dim() == 2 and weight.dim() == 2
     m = x.shape[0]
@@ -309,6 +317,7 @@ def _launch(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=warps,
+        W_EVICT=WEIGHT_EVICTION if eviction is None else eviction,
         **pdl_args(pdl),
     )
     return y, res_out
@@ -322,10 +331,12 @@ def linear_gemv_triton(
     silu_mul: bool = False,
     config: tuple[int, int, int] | None = None,
     pdl: bool | None = None,
+    eviction: str | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (or [M, 2K] gate|up with silu_mul) @ weight[N, K]^T (+ bias) -> [M, N]."""
+    """x [M, K] (or [M, 2K] gate|up with silu_mul) @ weight[N, K]^T (+ bias) -> [M, N].
+    `eviction`: the weight loads' policy (default WEIGHT_EVICTION)."""
     prologue = SILU_MUL if silu_mul else PLAIN
-    return _launch(x, weight, bias, prologue, config=config, pdl=pdl)[0]
+    return _launch(x, weight, bias, prologue, config=config, pdl=pdl, eviction=eviction)[0]
 
 
 def norm_linear_gemv_triton(
@@ -369,6 +380,6 @@ def gate_up_swiglu_gemv_triton(
     pdl = use_pdl(x) if pdl is None else pdl
     _gemv_swiglu_kernel[(triton.cdiv(n, block_n),)](
         x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, **pdl_args(pdl),
+        num_warps=warps, W_EVICT=WEIGHT_EVICTION, **pdl_args(pdl),
     )  # fmt: skip
     return y

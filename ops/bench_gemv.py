@@ -7,12 +7,14 @@ one launch per weight back to back: on CUDA as a captured graph replayed --reps 
 three, over --passes interleaved passes whose median is reported; elsewhere eagerly
 (the Triton interpreter in tests: the figures mean nothing there). Each config is a
 kernels/linear_triton.py (BLOCK_N, BLOCK_K, num_warps); cuBLAS (`F.linear`) and the
-default `gemv_config` run in the same passes. Prints, per shape, the fastest configs
+default `gemv_config` run in the same passes; --evictions crosses every config with
+the weight loads' L2 policies (kernels/linear_triton.WEIGHT_EVICTION; the first listed
+is the default's). Prints, per shape, the fastest configs
 with their bandwidth (weight bytes / time) and the default's and cuBLAS's, then a
 JSON summary as the last line.
 
     shunter bench gemv [--shapes qkv=6144x4096,o=4096x4096,gate_up=28672x4096,down=4096x14336]
-        [--layers 32]   (the logits: lm_head=128256x4096 --layers 4)
+        [--layers 32]   (the logits: lm_head=128256x4096 --layers 4) [--evictions ,evict_first]
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=32, help="distinct weights per shape")
     p.add_argument("--configs", default=None,
                    help="BNxBKxWARPS,... (default: a grid of 1-4 rows, 512-4096 wide)")  # fmt: skip
+    p.add_argument("--evictions", default="",
+                   help="weight-load L2 policies to sweep with every config, e.g. "
+                        "',evict_first' ('' = none, the default)")  # fmt: skip
     p.add_argument("--passes", type=int, default=3, help="interleaved passes (median)")
     p.add_argument("--reps", type=int, default=20, help="replays per timing")
     p.add_argument("--device", default="cuda")
@@ -62,6 +67,20 @@ def parse_configs(text: str) -> list[tuple[int, int, int]]:
             raise ValueError(f"config {part!r} is not BLOCK_NxBLOCK_KxWARPS")
         out.append((int(bits[0]), int(bits[1]), int(bits[2])))
     return out
+
+
+def parse_evictions(text: str) -> list[str]:
+    out = [p.strip() for p in text.split(",")]
+    for p in out:
+        if p not in ("", "evict_first", "evict_last"):
+            raise ValueError(f"eviction policy {p!r} is not '', evict_first or evict_last")
+    return list(dict.fromkeys(out))
+
+
+def _label(c: tuple) -> str:
+    """'1x4096x4', or '1x4096x4/evict_first' for a config with a load policy."""
+    (cfg, policy) = c
+    return "x".join(map(str, cfg)) + (f"/{policy}" if policy else "")
 
 
 def default_grid() -> list[tuple[int, int, int]]:
@@ -114,6 +133,7 @@ def sweep(args: argparse.Namespace) -> dict:
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
     shapes = parse_shapes(args.shapes)
     grid = parse_configs(args.configs) if args.configs else default_grid()
+    policies = parse_evictions(args.evictions)
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
     timer = _Timer(dev, args.reps)
     runs: dict[tuple[str, object], object] = {}
@@ -123,9 +143,11 @@ def sweep(args: argparse.Namespace) -> dict:
         runs[(name, "cublas")] = timer.prepare(lambda x=x, ws=ws: [F.linear(x, w) for w in ws])
         padded_k = max(16, 1 << (k - 1).bit_length())
         configs = dict.fromkeys([c for c in grid if c[1] <= padded_k] + [lt.gemv_config(n, k)])
-        for c in configs:
-            runs[(name, c)] = timer.prepare(
-                lambda x=x, ws=ws, c=c: [lt.linear_gemv_triton(x, w, config=c) for w in ws]
+        for c, p in itertools.product(configs, policies):
+            runs[(name, (c, p))] = timer.prepare(
+                lambda x=x, ws=ws, c=c, p=p: [
+                    lt.linear_gemv_triton(x, w, config=c, eviction=p) for w in ws
+                ]
             )
     times: dict[tuple[str, object], list[float]] = {key: [] for key in runs}
     for _ in range(args.passes):
@@ -136,17 +158,17 @@ def sweep(args: argparse.Namespace) -> dict:
         nbytes = n * k * torch.empty(0, dtype=dtype).element_size() * args.layers
         med = {c: statistics.median(v) for (s, c), v in times.items() if s == name}
         ranked = sorted((t, c) for c, t in med.items() if c != "cublas")
-        default = lt.gemv_config(n, k)
+        default = (lt.gemv_config(n, k), policies[0])
         print(f"{name} [{n} x {k}], {args.layers} weights, us per pass (GB/s):")
         for t, c in ranked[: args.top]:
             mark = "  <- default" if c == default else ""
-            print(f"  {'x'.join(map(str, c)):>10s} {t * 1e6:9.1f} ({nbytes / t / 1e9:6.0f}){mark}")
+            print(f"  {_label(c):>10s} {t * 1e6:9.1f} ({nbytes / t / 1e9:6.0f}){mark}")
         for label, t in (("default", med[default]), ("cublas", med["cublas"])):
             print(f"  {label:>10s} {t * 1e6:9.1f} ({nbytes / t / 1e9:6.0f})")
-        best_t, best_c = ranked[0]
+        best_t, (best_c, best_p) = ranked[0]
         summary["shapes"][name] = {
-            "n": n, "k": k, "best": list(best_c), "best_us": best_t * 1e6,
-            "default": list(default), "default_us": med[default] * 1e6,
+            "n": n, "k": k, "best": list(best_c), "best_eviction": best_p,
+            "best_us": best_t * 1e6, "default": list(default[0]), "default_us": med[default] * 1e6,
             "cublas_us": med["cublas"] * 1e6, "best_gbs": nbytes / best_t / 1e9,
             "default_over_best": med[default] / best_t,
         }  # fmt: skip

@@ -47,7 +47,9 @@ def _facts(ptx: str) -> dict:
     lines = [ln.strip() for ln in ptx.splitlines()]
     tickets = [ln for ln in lines if "atom.global" in ln]
     pdl = [ln.split()[0].rstrip(";") for ln in lines if ln.startswith("griddepcontrol")]
-    return {"tickets": tickets, "cg_loads": "ld.global.cg" in ptx, "pdl": pdl}
+    policies = sorted({ln.split()[0] for ln in lines if ln.startswith("createpolicy")})
+    return {"tickets": tickets, "cg_loads": "ld.global.cg" in ptx, "pdl": pdl,
+            "policies": policies}  # fmt: skip
 
 
 def _run(name: str, build) -> tuple[str, dict]:
@@ -82,14 +84,17 @@ def compile_all() -> dict[str, dict]:
         k = 14336 if prologue == lt.SILU_MUL else 4096
         block_n, block_k, warps = lt.gemv_config(4096, k, prologue)
         consts = dict(PROLOGUE=prologue, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=block_n,
-                      BLOCK_K=block_k, USE_PDL=True)  # fmt: skip
+                      BLOCK_K=block_k, USE_PDL=True, W_EVICT="")  # fmt: skip
         out.update([_run(f"gemv-{pname}", lambda c=consts, w=warps: _compile(
             lt._gemv_kernel, gemv_ptrs, c, num_warps=w))])  # fmt: skip
     consts = {**consts, "PROLOGUE": lt.PLAIN, "USE_PDL": 2}  # pdl.TRIGGER_FIRST
     out.update([_run("gemv-trigger-first", lambda c=consts: _compile(lt._gemv_kernel, gemv_ptrs,
                                                                      c))])  # fmt: skip
+    consts = {**consts, "USE_PDL": True, "W_EVICT": "evict_first"}  # WEIGHT_EVICTION
+    out.update([_run("gemv-evict-first", lambda c=consts: _compile(lt._gemv_kernel, gemv_ptrs,
+                                                                   c))])  # fmt: skip
     block_n, block_k, warps = lt.gemv_config(28672, 4096)
-    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=True)
+    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=True, W_EVICT="")
     out.update([_run("gemv-swiglu", lambda: _compile(lt._gemv_swiglu_kernel, gemv_ptrs, consts,
                                                      num_warps=warps))])  # fmt: skip
     from shunter.kernels import qkv_rope_store_triton as qrt
@@ -136,6 +141,13 @@ def test_decode_merge_kernel_builds_for_hopper(report):
 def test_gemv_kernel_configs_build_for_hopper(report, prologue):
     got = report[f"gemv-{prologue}"]
     assert "error" not in got, got.get("error")
+
+
+def test_weight_eviction_policy_reaches_the_loads(report):
+    """WEIGHT_EVICTION="evict_first" gives the weight loads an L2 evict-first policy;
+    the default sets none."""
+    assert report["gemv-evict-first"]["policies"] == ["createpolicy.fractional.L2::evict_first.b64"]
+    assert report["gemv-PLAIN"]["policies"] == []
 
 
 def test_pdl_modes_order_wait_and_trigger(report):

@@ -32,11 +32,33 @@ def test_sweep_reports_every_shape(capsys):
         assert got["default"] == list(gemv_config(n, k))
         assert got["best"] in ([1, 64, 1], [2, 32, 1], got["default"])
         assert got["best_us"] <= got["default_us"] and got["cublas_us"] > 0
+        assert got["best_eviction"] == ""
     assert "a [8 x 64]" in out and "default" in out
 
 
+def test_sweep_crosses_configs_with_load_policies(capsys):
+    """--evictions runs every config under each weight-load policy; the first policy
+    is the default's, and each policy's config is printed with it."""
+    rc = main(["bench", "gemv", "--device", "cpu", "--dtype", "float32", "--layers", "1",
+               "--shapes", "a=8x64", "--configs", "1x64x1", "--evictions", ",evict_first",
+               "--passes", "1", "--reps", "1", "--top", "8"])  # fmt: skip
+    assert rc == 0
+    out = capsys.readouterr().out
+    got = json.loads(out.strip().splitlines()[-1])["shapes"]["a"]
+    assert got["best_eviction"] in ("", "evict_first")
+    # two configs (the listed one and the default) under two policies
+    assert sum(" (" in ln and ln.lstrip()[0].isdigit() for ln in out.splitlines()) == 4
+    assert "1x64x1/evict_first" in out
+
+
 @pytest.mark.parametrize(
-    ("flag", "value"), [("--shapes", "a=8by64"), ("--shapes", "a=0x64"), ("--configs", "1x64")]
+    ("flag", "value"),
+    [
+        ("--shapes", "a=8by64"),
+        ("--shapes", "a=0x64"),
+        ("--configs", "1x64"),
+        ("--evictions", "evict_sometimes"),
+    ],
 )
 def test_bad_arguments_are_refused(flag, value, capsys):
     assert main(["bench", "gemv", "--device", "cpu", flag, value]) == 2

@@ -82,6 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--token-budget", type=int, default=8192, help="prefill tokens per batch")
     g.add_argument("--prefill-pause", type=float, default=0.0, metavar="SECONDS",
                    help="idle device time before each timed prefill (default 0: back to back)")  # fmt: skip
+    g.add_argument("--prefill-host-profile", type=int, default=0, metavar="TOP",
+                   help="profile one more prefill's host time before the model (cProfile) "
+                        "and print its TOP functions by cumulative time")  # fmt: skip
     g.add_argument("--prefill-clocks", action="store_true",
                    help="read the GPU's SM clock and power after each timed prefill "
                         "(nvidia-smi, a few tens of ms between runs)")  # fmt: skip

@@ -149,7 +149,7 @@ def test_whole_run_on_a_cpu_at_toy_sizes(tmp_path, capsys):
                   "--hf-new-tokens", "4", "--offline-requests", "3", "--offline-input-len",
                   "16", "--offline-output-len", "4", "--kernel-profile", "2",
                   "--kernel-profile-bs", "1,2,prefill", "--prefill-pause", "0.01",
-                  "--prefill-clocks", "--out", str(out)])  # fmt: skip
+                  "--prefill-clocks", "--prefill-host-profile", "500", "--out", str(out)])  # fmt: skip
     assert bg.run(args) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     summary = json.loads(last)
@@ -170,6 +170,11 @@ def test_whole_run_on_a_cpu_at_toy_sizes(tmp_path, capsys):
     assert summary["prefill_kernel_profile"]
     assert summary["prefill_idle"] == {}  # no device kernels on a CPU
     assert summary["prefill_pause_s"] == 0.01
+    host = summary["prefill_host_profile"]  # the step's host functions before the model
+    assert 20 < len(host) <= 500
+    assert [r["cum_ms"] for r in host] == sorted((r["cum_ms"] for r in host), reverse=True)
+    assert any("plan_batch" in r["fn"] for r in host), host[:10]
+    assert not any("llama.py" in r["fn"] for r in host)  # stopped where the model starts
     runs = summary["prefill_runs"]  # every timed run in order; no GPU clocks on a CPU
     assert [set(r) for r in runs] == [{"ms"}, {"ms"}] and all(r["ms"] > 0 for r in runs)
     assert min(r["ms"] for r in runs) == pytest.approx(64e3 / summary["prefill_tok_s"], rel=1e-3)

@@ -210,6 +210,34 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _two_row_sums(x_ptr, t1, t2, ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  USE_PDL: tl.constexpr, W_EVICT: tl.constexpr):  # fmt: skip
+    """x [K] dotted with two sets of BLOCK_N weight rows, whose [BLOCK_N, BLOCK_K] tile
+    pointers at k = 0 are t1 and t2 (rows masked by ok): float32 [BLOCK_N] each, summed
+    as the GEMV sums. The first tiles load before the PDL wait (the epilogue kernels'
+    shared main loop)."""
+    rk = tl.arange(0, BLOCK_K)
+    m = ok[:, None] & (rk < K)[None, :]
+    w1 = tl.load(t1, mask=m, other=0.0, eviction_policy=W_EVICT)
+    w2 = tl.load(t2, mask=m, other=0.0, eviction_policy=W_EVICT)
+    pdl_enter(USE_PDL)
+    zero = tl.zeros((BLOCK_N, 1), dtype=tl.int32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        m = ok[:, None] & ((k0 + BLOCK_K + rk) < K)[None, :]
+        w1_next = tl.load(t1 + k0 + BLOCK_K, mask=m, other=0.0, eviction_policy=W_EVICT)
+        w2_next = tl.load(t2 + k0 + BLOCK_K, mask=m, other=0.0, eviction_policy=W_EVICT)
+        op = tl.load(x_ptr + k0 + zero + rk[None, :], mask=((k0 + rk) < K)[None, :], other=0.0)
+        op = op.to(tl.float32)
+        acc1 += w1.to(tl.float32) * op
+        acc2 += w2.to(tl.float32) * op
+        w1 = w1_next
+        w2 = w2_next
+    return tl.sum(acc1, axis=1), tl.sum(acc2, axis=1)
+
+
+@triton.jit
 def _gemv_swiglu_kernel(x_ptr, w_ptr, y_ptr, N, K, w_row_stride, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
                         W_EVICT: tl.constexpr):  # fmt: skip
@@ -221,26 +249,10 @@ def _gemv_swiglu_kernel(x_ptr, w_ptr, y_ptr, N, K, w_row_stride, BLOCK_N: tl.con
     n_ok = rn < N
     g_tile = w_ptr + rn.to(tl.int64)[:, None] * w_row_stride + rk[None, :]
     u_tile = w_ptr + (rn + N).to(tl.int64)[:, None] * w_row_stride + rk[None, :]
-    m = n_ok[:, None] & (rk < K)[None, :]
-    wg = tl.load(g_tile, mask=m, other=0.0, eviction_policy=W_EVICT)
-    wu = tl.load(u_tile, mask=m, other=0.0, eviction_policy=W_EVICT)
-    pdl_enter(USE_PDL)
-    zero = (rn * 0)[:, None]
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        m = n_ok[:, None] & ((k0 + BLOCK_K + rk) < K)[None, :]
-        wg_next = tl.load(g_tile + k0 + BLOCK_K, mask=m, other=0.0, eviction_policy=W_EVICT)
-        wu_next = tl.load(u_tile + k0 + BLOCK_K, mask=m, other=0.0, eviction_policy=W_EVICT)
-        op = tl.load(x_ptr + k0 + zero + rk[None, :], mask=((k0 + rk) < K)[None, :], other=0.0)
-        op = op.to(tl.float32)
-        acc_g += wg.to(tl.float32) * op
-        acc_u += wu.to(tl.float32) * op
-        wg = wg_next
-        wu = wu_next
+    g, u = _two_row_sums(x_ptr, g_tile, u_tile, n_ok, K, BLOCK_N, BLOCK_K, USE_PDL, W_EVICT)
     dt = y_ptr.dtype.element_ty
-    g = tl.sum(acc_g, axis=1).to(dt).to(tl.float32)
-    u = tl.sum(acc_u, axis=1).to(dt).to(tl.float32)
+    g = g.to(dt).to(tl.float32)
+    u = u.to(dt).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
     tl.store(y_ptr + rn, (act * u).to(dt), mask=n_ok)
 

@@ -5,8 +5,8 @@ Theory of operation: a bs=1 decode layer otherwise runs the qkv GEMV, then a rop
 KV store kernel that reads the GEMV's output back, then attention: two dependent
 round trips through memory before attention may start. Here a program takes BLOCK_N
 rotation pairs, weight rows (n, n + D/2) of one head, so it holds both halves a
-rotation mixes once the K loop ends. The loop is the GEMV's (kernels/linear_triton.py:
-weight tiles in flight before the PDL wait, one float32 accumulator per row in the
+rotation mixes once the K loop ends. The loop is the GEMV's (kernels/linear_triton.py's
+`_two_row_sums`: weight tiles in flight before the PDL wait, one float32 accumulator per row in the
 tile's layout, summed once at the end). Then each pair is rounded to the activation
 dtype (as the GEMV stores it), rotated in float32 and rounded again (as the rope
 kernels do) for q and k heads; q goes to the returned [1, H, D] tensor, k and v to
@@ -24,15 +24,17 @@ import torch
 import triton
 import triton.language as tl
 
-from shunter.kernels.linear_triton import gemv_config
-from shunter.kernels.pdl import pdl_args, pdl_enter, use_pdl
+from shunter.kernels import linear_triton as lt
+from shunter.kernels.linear_triton import _two_row_sums, gemv_config
+from shunter.kernels.pdl import pdl_args, use_pdl
 
 
 @triton.jit
 def _qkv_rope_store_kernel(x_ptr, w_ptr, q_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slots_ptr,
                            K, w_row_stride, cs_row_stride, cache_slot_stride, num_q_heads,
                            num_kv_heads, half, head_dim, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+                           BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+                           W_EVICT: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     pair = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     head = pair // half
@@ -42,26 +44,10 @@ def _qkv_rope_store_kernel(x_ptr, w_ptr, q_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr,
     row1 = head * head_dim + d
     t1 = w_ptr + row1.to(tl.int64)[:, None] * w_row_stride + rk[None, :]
     t2 = t1 + half * w_row_stride
-    m = ok[:, None] & (rk < K)[None, :]
-    w1 = tl.load(t1, mask=m, other=0.0)
-    w2 = tl.load(t2, mask=m, other=0.0)
-    pdl_enter(USE_PDL)
-    zero = (pair * 0)[:, None]
-    acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        m = ok[:, None] & ((k0 + BLOCK_K + rk) < K)[None, :]
-        w1_next = tl.load(t1 + k0 + BLOCK_K, mask=m, other=0.0)
-        w2_next = tl.load(t2 + k0 + BLOCK_K, mask=m, other=0.0)
-        op = tl.load(x_ptr + k0 + zero + rk[None, :], mask=((k0 + rk) < K)[None, :], other=0.0)
-        op = op.to(tl.float32)
-        acc1 += w1.to(tl.float32) * op
-        acc2 += w2.to(tl.float32) * op
-        w1 = w1_next
-        w2 = w2_next
+    s1, s2 = _two_row_sums(x_ptr, t1, t2, ok, K, BLOCK_N, BLOCK_K, USE_PDL, W_EVICT)
     dt = q_ptr.dtype.element_ty
-    y1 = tl.sum(acc1, axis=1).to(dt)
-    y2 = tl.sum(acc2, axis=1).to(dt)
+    y1 = s1.to(dt)
+    y2 = s2.to(dt)
     is_q = head < num_q_heads
     is_v = head >= num_q_heads + num_kv_heads
     is_k = ok & ~is_q & ~is_v
@@ -119,6 +105,7 @@ def qkv_rope_store_triton(
     _qkv_rope_store_kernel[grid](
         x, weight, q, positions, cos_sin_cache, k_cache, v_cache, slots, k, weight.stride(0),
         cos_sin_cache.stride(0), k_cache.stride(0), num_q_heads, num_kv_heads, half, head_dim,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl_args(pdl),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, W_EVICT=lt.WEIGHT_EVICTION,
+        **pdl_args(pdl),
     )  # fmt: skip
     return q

@@ -102,7 +102,7 @@ def compile_all() -> dict[str, dict]:
     qkv_ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "q_ptr", "kc_ptr", "vc_ptr")}
     qkv_ptrs.update(pos_ptr="*i64", slots_ptr="*i64", cs_ptr="*fp32")
     block_n, block_k, warps = lt.gemv_config(6144, 4096)
-    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=True)
+    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=True, W_EVICT="")
     out.update([_run("gemv-qkv-rope-store", lambda: _compile(
         qrt._qkv_rope_store_kernel, qkv_ptrs, consts, num_warps=warps))])  # fmt: skip
     return out

@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from shunter.kernels import linear_triton as lt
-from shunter.kernels.linear_triton import _two_row_sums, gemv_config
 from shunter.kernels.pdl import pdl_args, use_pdl
+from shunter.kernels.rope_kv_store_triton import check_pools_and_table
 
 
 @triton.jit
@@ -44,7 +44,7 @@ def _qkv_rope_store_kernel(x_ptr, w_ptr, q_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr,
     row1 = head * head_dim + d
     t1 = w_ptr + row1.to(tl.int64)[:, None] * w_row_stride + rk[None, :]
     t2 = t1 + half * w_row_stride
-    s1, s2 = _two_row_sums(x_ptr, t1, t2, ok, K, BLOCK_N, BLOCK_K, USE_PDL, W_EVICT)
+    s1, s2 = lt._two_row_sums(x_ptr, t1, t2, ok, K, BLOCK_N, BLOCK_K, USE_PDL, W_EVICT)
     dt = q_ptr.dtype.element_ty
     y1 = s1.to(dt)
     y2 = s2.to(dt)
@@ -94,12 +94,9 @@ def qkv_rope_store_triton(
     q = torch.empty((1, num_q_heads, head_dim), dtype=x.dtype, device=x.device)
     assert positions.shape == (1,) and slots.shape == (1,)
     assert x.stride(1) == 1 and weight.stride(1) == 1
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert k_cache.stride() == v_cache.stride()
-    assert cos_sin_cache.shape[-1] == head_dim and cos_sin_cache.stride(-1) == 1
-    assert cos_sin_cache.dtype == torch.float32
+    check_pools_and_table(k_cache, v_cache, cos_sin_cache, head_dim)
     half = head_dim // 2
-    block_n, block_k, warps = config or gemv_config(n, k)
+    block_n, block_k, warps = config or lt.gemv_config(n, k)
     pdl = use_pdl(x) if pdl is None else pdl
     grid = (triton.cdiv((num_q_heads + 2 * num_kv_heads) * half, block_n),)
     _qkv_rope_store_kernel[grid](

@@ -80,6 +80,16 @@ def _rope_kv_store_kernel(
     tl.store(vc_ptr + row + half, v2.to(vc_ptr.dtype.element_ty), mask=m)
 
 
+def check_pools_and_table(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          cos_sin_cache: torch.Tensor, head_dim: int) -> None:  # fmt: skip
+    """The layouts the kernels that store rotated k into the pools assume: contiguous
+    pools of one layout, a float32 cos | sin table of head_dim columns."""
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.stride() == v_cache.stride()
+    assert cos_sin_cache.shape[-1] == head_dim and cos_sin_cache.stride(-1) == 1
+    assert cos_sin_cache.dtype == torch.float32
+
+
 def rope_kv_store_triton(
     qk: torch.Tensor,
     v: torch.Tensor,
@@ -97,10 +107,7 @@ def rope_kv_store_triton(
     check_kv_store_shapes(k_cache, slots, qk[:, num_q_heads:], v)
     assert positions.shape == (num_tokens,)
     assert qk.stride(-1) == 1 and v.stride(-1) == 1, "rope_kv_store needs a contiguous dim axis"
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert k_cache.stride() == v_cache.stride()
-    assert cos_sin_cache.shape[-1] == head_dim and cos_sin_cache.stride(-1) == 1
-    assert cos_sin_cache.dtype == torch.float32
+    check_pools_and_table(k_cache, v_cache, cos_sin_cache, head_dim)
     if head_dim % 2:
         raise ValueError(f"rope needs an even head_dim, got {head_dim}")
     if num_tokens == 0:

@@ -2,7 +2,8 @@
 one whole-prompt prefill, best of --repeats, its tok/s, TFLOP/s and MFU, the host's
 share before the model, every run's time in order (with the GPU's clocks and power
 after each under --prefill-clocks), a profiled step under --kernel-profile-bs
-prefill, and under --prefill-host-profile the host's functions before the model.
+prefill, and under --prefill-host-profile the host's functions before the model
+(both profiles are ops/bench_profile.py's).
 
 Theory of operation: each run closes every row, synchronizes, optionally idles
 (--prefill-pause), then times one prefill of the prompt through the bench's Driver
@@ -66,46 +67,6 @@ def bench_prefill(driver: Driver, prompt: list[int], repeats: int, pause: float 
     return best, host, runs
 
 
-def host_profile(driver: Driver, prompt: list[int], top: int) -> list[dict]:
-    """One more prefill of `prompt` under cProfile from the step's start until the model
-    is entered (the host's share before the device starts): the `top` functions by
-    cumulative time, [{fn, calls, self_ms, cum_ms}] (cProfile's own overhead included,
-    so only the ranking and the shares mean much)."""
-    import cProfile
-    import pstats
-
-    prof = cProfile.Profile()
-
-    def stop(_module, _args) -> None:
-        prof.disable()
-
-    hook = driver.core.runner.model.register_forward_pre_hook(stop)
-    try:
-        driver.close_all()
-        sync(driver)
-        prof.enable()
-        driver.prefill([prompt], len(prompt))
-        prof.disable()
-        sync(driver)
-    finally:
-        hook.remove()
-        driver.close_all()
-    rows = []
-    for (path, line, name), (_cc, calls, tt, ct, _callers) in pstats.Stats(prof).stats.items():
-        if "disable" in name and "Profile" in name:
-            continue  # the profiler's own stop
-        fn = f"{path.rsplit('/', 1)[-1]}:{line}({name})" if path != "~" else name
-        rows.append({"fn": fn, "calls": calls, "self_ms": tt * 1e3, "cum_ms": ct * 1e3})
-    rows.sort(key=lambda r: -r["cum_ms"])
-    return rows[:top]
-
-
-def format_host_profile(rows: list[dict]) -> str:
-    lines = ["  cum ms  self ms   calls  function"]
-    lines += [f"{r['cum_ms']:8.3f} {r['self_ms']:8.3f} {r['calls']:7d}  {r['fn']}" for r in rows]
-    return "\n".join(lines)
-
-
 def _run_text(run: dict) -> str:
     """'201.3 ms' or, with clocks read, '201.3 ms @ 1755 MHz 690 W'."""
     text = f"{run['ms']:.1f} ms"
@@ -136,6 +97,8 @@ def measure_prefill(driver: Driver, args: argparse.Namespace, mcfg: ModelConfig,
                  f"{s['prefill_frac_of_matmul']:.1%} of the measured matmul")  # fmt: skip
     print(line + "\nprefill runs in order: " + ", ".join(_run_text(r) for r in runs), flush=True)
     if getattr(args, "prefill_host_profile", 0):
+        from shunter.ops.bench_profile import format_host_profile, host_profile
+
         s["prefill_host_profile"] = host_profile(driver, prompt, args.prefill_host_profile)
         print(f"prefill of {len(prompt)} tokens, the host until the model (cProfile):\n"
               + format_host_profile(s["prefill_host_profile"]), flush=True)  # fmt: skip

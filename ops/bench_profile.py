@@ -11,6 +11,8 @@ bandwidth roofline can be attributed. `prefill_profile` does the same for one
 prefill of a whole prompt, and lays that step's kernels on a timeline (`idle_gaps`):
 how long the device sat idle from the step's start to its last kernel, before the
 first kernel, and in the largest gaps between kernels, named by their neighbours.
+`host_profile` is the host's side of that head: cProfile over one prefill from the
+step's start until the model is entered.
 
 Invariants: leaves the driver with no open rows; the profiled steps' tokens are not
 checked (the decode benchmark does that).
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from shunter.ops.bench_gpu_driver import Driver
+from shunter.ops.bench_gpu_driver import Driver, sync
 
 
 def kernel_profile(
@@ -73,6 +75,46 @@ def prefill_profile(driver: Driver, prompt: list[int], top: int = 25) -> tuple[l
                    if e.device_type == torch.autograd.DeviceType.CUDA]  # fmt: skip
         idle = idle_gaps(kernels, step.time_range.start)
     return fold(prof.key_averages(), on_cuda, top), idle
+
+
+def host_profile(driver: Driver, prompt: list[int], top: int) -> list[dict]:
+    """One more prefill of `prompt` under cProfile from the step's start until the model
+    is entered (the host's share before the device starts): the `top` functions by
+    cumulative time, [{fn, calls, self_ms, cum_ms}] (cProfile's own overhead included,
+    so only the ranking and the shares mean much)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+
+    def stop(_module, _args) -> None:
+        prof.disable()
+
+    hook = driver.core.runner.model.register_forward_pre_hook(stop)
+    try:
+        driver.close_all()
+        sync(driver)
+        prof.enable()
+        driver.prefill([prompt], len(prompt))
+        prof.disable()
+        sync(driver)
+    finally:
+        hook.remove()
+        driver.close_all()
+    rows = []
+    for (path, line, name), (_cc, calls, tt, ct, _callers) in pstats.Stats(prof).stats.items():
+        if "disable" in name and "Profile" in name:
+            continue  # the profiler's own stop
+        fn = f"{path.rsplit('/', 1)[-1]}:{line}({name})" if path != "~" else name
+        rows.append({"fn": fn, "calls": calls, "self_ms": tt * 1e3, "cum_ms": ct * 1e3})
+    rows.sort(key=lambda r: -r["cum_ms"])
+    return rows[:top]
+
+
+def format_host_profile(rows: list[dict]) -> str:
+    lines = ["  cum ms  self ms   calls  function"]
+    lines += [f"{r['cum_ms']:8.3f} {r['self_ms']:8.3f} {r['calls']:7d}  {r['fn']}" for r in rows]
+    return "\n".join(lines)
 
 
 STEP = "bench.prefill_step"  # the profiled step's host range

@@ -117,8 +117,9 @@ class LlamaAttention(nn.Module):
         """Whether this decode step's qkv projection also applies rope and stores k, v
         (`forward_normed`), for the layer's input x."""
         proj = self.qkv_proj
-        return (ctx.decode_only and not self.qk_norm and type(proj) is nn.Linear
-                and qkv_rope_mod.fusable(x, proj.weight, proj.bias))  # fmt: skip
+        # The switch first: it is off by default and this runs for every layer.
+        return (qkv_rope_mod.FUSE_QKV_ROPE_STORE and ctx.decode_only and not self.qk_norm
+                and type(proj) is nn.Linear and qkv_rope_mod.fusable(x, proj.weight, proj.bias))  # fmt: skip
 
     def forward_normed(
         self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext

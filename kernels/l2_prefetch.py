@@ -16,7 +16,9 @@ other kernel: weights are never written during a step), then waits for the grid 
 it, so the chain's invariant holds (a grid ends only after every grid before it) and
 the prefetch overlaps the tail of the GEMV it follows.
 
-Off by default (`PREFETCH_BYTES = 0`) until a whole step measures faster with it.
+Off by default (`PREFETCH_BYTES = 0`) until a whole step measures faster with it. The
+kernel is in kernels/l2_prefetch_triton.py, imported only when a prefetch is launched,
+so the model's import pulls in no Triton.
 
 Invariants: the weight is contiguous and 16-byte aligned (a torch allocation); only
 whole 16-byte units are prefetched; launched only where `pdl.use_pdl` holds (Hopper
@@ -27,32 +29,8 @@ sm_90.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-
-from shunter.kernels.pdl import use_pdl
 
 PREFETCH_BYTES = 0  # bytes of the next weight to warm (0: off); capped by the weight's size
-CHUNK = 16 << 10  # bytes per bulk prefetch (one thread issues one)
-BLOCK = 32  # prefetches per program (one warp)
-
-
-@triton.jit
-def _l2_prefetch_kernel(base_ptr, nbytes, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    tl.extra.cuda.gdc_launch_dependents()
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    start = i * CHUNK
-    size = tl.minimum(nbytes - start, CHUNK).to(tl.int32)  # <= 0 past the end
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2;"
-        " mov.u32 $0, 0; }",
-        "=r,l,r",
-        [base_ptr + start, size],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-    tl.extra.cuda.gdc_wait()
 
 
 def prefetch_bytes(weight: torch.Tensor) -> int:
@@ -65,11 +43,8 @@ def prefetch_weight(weight: torch.Tensor) -> None:
     """Start pulling the first `prefetch_bytes(weight)` of weight into L2 (module
     docstring); a no-op off Hopper, under the interpreter, or with PREFETCH_BYTES 0."""
     nbytes = prefetch_bytes(weight)
-    if nbytes == 0 or not use_pdl(weight):
+    if nbytes == 0 or not weight.is_cuda:
         return
-    assert weight.is_contiguous() and weight.data_ptr() % 16 == 0
-    grid = (triton.cdiv(nbytes, CHUNK * BLOCK),)
-    _l2_prefetch_kernel[grid](
-        weight.view(-1).view(torch.uint8), nbytes, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=1,
-        launch_pdl=True,
-    )  # fmt: skip
+    from shunter.kernels.l2_prefetch_triton import l2_prefetch_triton
+
+    l2_prefetch_triton(weight, nbytes)

@@ -106,3 +106,15 @@ def test_a_checkout_root_on_sys_path_does_not_shadow_top_level_packages():
     origins = dict(zip(names, out.splitlines(), strict=True))
     shadowed = {n: o for n, o in origins.items() if o.startswith(str(ROOT / n) + os.sep)}
     assert not shadowed, shadowed
+
+
+def test_the_model_and_executor_import_no_triton():
+    """Triton kernel modules are imported where a kernel first launches, never with the
+    model: a @triton.jit made at import time binds to the compiler or the interpreter
+    by TRITON_INTERPRET as it stands then, and the CPU path needs no Triton at all."""
+    code = ("import sys, shunter.actors.executor.models.llama, shunter.actors.executor.actor; "
+            "print(sorted(m for m in sys.modules if m == 'triton' or m.endswith('_triton')))")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                         capture_output=True, text=True).stdout  # fmt: skip
+    assert out.strip() == "[]", out

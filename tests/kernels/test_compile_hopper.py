@@ -110,7 +110,7 @@ def compile_all() -> dict[str, dict]:
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=True, W_EVICT="")
     out.update([_run("gemv-qkv-rope-store", lambda: _compile(
         qrt._qkv_rope_store_kernel, qkv_ptrs, consts, num_warps=warps))])  # fmt: skip
-    from shunter.kernels import l2_prefetch as lp
+    from shunter.kernels import l2_prefetch_triton as lp
 
     consts = dict(CHUNK=lp.CHUNK, BLOCK=lp.BLOCK)
     out.update([_run("l2-prefetch", lambda: _compile(lp._l2_prefetch_kernel, {"base_ptr": "*u8"},
@@ -171,7 +171,7 @@ def test_pdl_modes_order_wait_and_trigger(report):
 
 
 def test_l2_prefetch_lets_dependents_launch_then_prefetches_then_waits(report):
-    """kernels/l2_prefetch.py: the bulk prefetch is issued between the two PDL
+    """kernels/l2_prefetch_triton.py: the bulk prefetch is issued between the two PDL
     instructions, so it overlaps the grid before it and the chain's order holds."""
     got = report["l2-prefetch"]
     assert "error" not in got, got.get("error")

@@ -50,7 +50,7 @@ def project(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def prefetch_for(mod: nn.Module, x: torch.Tensor) -> None:
     """Start warming L2 with mod's weight, whose GEMV comes after the short kernels
-    launched next (kernels/l2_prefetch.py; off by default); x: an activation of the
+    launched next (kernels/l2_prefetch.py, its kernel in l2_prefetch_triton.py; off by default); x: an activation of the
     step, for the GEMV path's test."""
     if (l2_prefetch.PREFETCH_BYTES and type(mod) is nn.Linear
             and linear_mod._skinny(x, mod.weight)):  # fmt: skip

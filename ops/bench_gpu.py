@@ -45,7 +45,7 @@ import torch
 from tqdm import tqdm
 
 from shunter.actors.executor.models.config import ModelConfig
-from shunter.ops import bench_settings
+from shunter.ops import bench_settings, bench_stub
 from shunter.ops.bench_gpu_driver import GREEDY, Driver, offline_run, random_prompts
 from shunter.ops.bench_gpu_model import (
     MODELS,
@@ -260,6 +260,16 @@ def run(args: argparse.Namespace) -> int:
     settings = bench_settings.apply_or_report(args.set, "bench executor")
     if settings is None:
         return 2
+    try:
+        stubbed = bench_stub.groups()
+    except ValueError as e:
+        print(f"bench executor: {e}", file=sys.stderr)
+        return 2
+    if stubbed and not args.skip_hf:
+        print("bench executor: a stubbed step (ops.bench_stub.STUB) samples meaningless"
+              " tokens; add --skip-hf", file=sys.stderr)  # fmt: skip
+        return 2
+    bench_stub.apply()
     s: dict = {}
     if dev.type == "cuda":
         s.update(ceilings(dev))
@@ -277,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
                    "torch": torch.__version__, "device_name": _device_name(dev),
                    "attention_backend_used": getattr(core.runner, "backend", None),
                    "num_pages": core.num_pages, "temperature": args.temperature,
-                   "top_p": args.top_p, "settings": settings}  # fmt: skip
+                   "top_p": args.top_p, "settings": settings, "stubbed": stubbed}  # fmt: skip
     params = msgspec.structs.replace(GREEDY, temperature=args.temperature, top_p=args.top_p)
     driver = Driver(core, params=params)
     mcfg = core.runner.config

@@ -48,13 +48,8 @@ def _facts(ptx: str) -> dict:
     tickets = [ln for ln in lines if "atom.global" in ln]
     pdl = [ln.split()[0].rstrip(";") for ln in lines if ln.startswith("griddepcontrol")]
     policies = sorted({ln.split()[0] for ln in lines if ln.startswith("createpolicy")})
-    order = [
-        ln.split()[0].rstrip(";") if ln.startswith("griddepcontrol") else "prefetch"
-        for ln in lines
-        if ln.startswith("griddepcontrol") or "cp.async.bulk.prefetch.L2.global" in ln
-    ]
     return {"tickets": tickets, "cg_loads": "ld.global.cg" in ptx, "pdl": pdl,
-            "policies": policies, "order": order}  # fmt: skip
+            "policies": policies}  # fmt: skip
 
 
 def _run(name: str, build) -> tuple[str, dict]:
@@ -110,11 +105,6 @@ def compile_all() -> dict[str, dict]:
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=True, W_EVICT="")
     out.update([_run("gemv-qkv-rope-store", lambda: _compile(
         qrt._qkv_rope_store_kernel, qkv_ptrs, consts, num_warps=warps))])  # fmt: skip
-    from shunter.kernels import l2_prefetch_triton as lp
-
-    consts = dict(CHUNK=lp.CHUNK, BLOCK=lp.BLOCK)
-    out.update([_run("l2-prefetch", lambda: _compile(lp._l2_prefetch_kernel, {"base_ptr": "*u8"},
-                                                     consts, num_warps=1))])  # fmt: skip
     return out
 
 
@@ -168,14 +158,6 @@ def test_pdl_modes_order_wait_and_trigger(report):
     ]
     assert report["gemv-trigger-first"]["pdl"] == ["griddepcontrol.launch_dependents",
                                                    "griddepcontrol.wait"]  # fmt: skip
-
-
-def test_l2_prefetch_lets_dependents_launch_then_prefetches_then_waits(report):
-    """kernels/l2_prefetch_triton.py: the bulk prefetch is issued between the two PDL
-    instructions, so it overlaps the grid before it and the chain's order holds."""
-    got = report["l2-prefetch"]
-    assert "error" not in got, got.get("error")
-    assert got["order"] == ["griddepcontrol.launch_dependents", "prefetch", "griddepcontrol.wait"]
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ from torch import nn
 
 from shunter.actors.executor.models.attention import AttentionContext, paged_attention
 from shunter.actors.executor.models.config import ModelConfig
-from shunter.kernels import l2_prefetch
 from shunter.kernels import linear as linear_mod
 from shunter.kernels import qkv_rope_store as qkv_rope_mod
 from shunter.kernels.attention_decode import attention_decode, attention_decode_rope_store
@@ -46,15 +45,6 @@ def project(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if type(mod) is nn.Linear:
         return linear(x, mod.weight, mod.bias)
     return mod(x)
-
-
-def prefetch_for(mod: nn.Module, x: torch.Tensor) -> None:
-    """Start warming L2 with mod's weight, whose GEMV comes after the short kernels
-    launched next (kernels/l2_prefetch.py, its kernel in l2_prefetch_triton.py; off by default); x: an activation of the
-    step, for the GEMV path's test."""
-    if (l2_prefetch.PREFETCH_BYTES and type(mod) is nn.Linear
-            and linear_mod._skinny(x, mod.weight)):  # fmt: skip
-        l2_prefetch.prefetch_weight(mod.weight)
 
 
 def norm_project(
@@ -114,7 +104,6 @@ class LlamaAttention(nn.Module):
             i, qk = self.layer_idx, qkv[:, :qk_size].view(num_tokens, -1, self.head_dim)
             kv = (ctx.k_buffers[i], ctx.v_buffers[i], ctx.out_slots)
             if ctx.decode_only:  # rope and store may run inside the decode kernel
-                prefetch_for(self.o_proj, qkv)
                 o = attention_decode_rope_store(qk, v, rope, *kv, self.num_heads,
                                                 ctx.decode_plan, self.scale)  # fmt: skip
                 return project(self.o_proj, o.reshape(num_tokens, self.q_size))
@@ -195,12 +184,10 @@ class LlamaDecoderLayer(nn.Module):
             qkv, residual = norm_project(attn.qkv_proj, self.input_layernorm, x, residual)
             h = attn(qkv, rope, ctx)
         norm = self.post_attention_layernorm
-        prefetch_for(mlp.gate_up_proj, h)
         if mlp.swiglu_in_gate_up():
             x_mlp, residual = fused_add_rmsnorm(h, residual, norm.weight, norm.eps)
             return mlp.swiglu_down(x_mlp), residual
         gate_up, residual = norm_project(mlp.gate_up_proj, norm, h, residual)
-        prefetch_for(mlp.down_proj, h)
         return mlp(gate_up), residual
 
 
@@ -222,7 +209,6 @@ class LlamaModel(nn.Module):
         rope = rope_gather(cos_sin, positions)  # shared by every layer
         residual = None
         for layer in self.layers:
-            prefetch_for(layer.self_attn.qkv_proj, x)
             x, residual = layer(x, residual, rope, ctx)
         x, _ = fused_add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)
         return x  # [T, hidden]

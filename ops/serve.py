@@ -50,12 +50,8 @@ from shunter.actors.supervisor import (
 )
 from shunter.actors.supervisor_core import ActorSpec, SupervisorConfig
 from shunter.bus.messages import Ready
-from shunter.ops.server_args import (
-    ServerArgs,
-    add_server_arguments,
-    check_paths,
-    namespace_to_server_args,
-)
+from shunter.ops.server_args import ServerArgs, check_paths
+from shunter.ops.server_cli import add_server_arguments, namespace_to_server_args
 
 log = structlog.get_logger("shunter.serve")
 

@@ -24,7 +24,8 @@ from shunter.ops.serve import (
     public_server_info,
     supervisor_config,
 )
-from shunter.ops.server_args import ServerArgs, build_parser, parse_server_args
+from shunter.ops.server_args import ServerArgs
+from shunter.ops.server_cli import build_parser, parse_server_args
 
 EXECUTOR_READY = {
     EXECUTOR_ID: Ready("executor", EXECUTOR_ID, {

@@ -9,16 +9,8 @@ import io
 import msgspec
 import pytest
 
-from shunter.ops.server_args import (
-    FIELDS,
-    GROUPS,
-    OPTIONS,
-    ServerArgs,
-    build_parser,
-    check_paths,
-    parse_server_args,
-    server_args_from,
-)
+from shunter.ops.server_args import FIELDS, GROUPS, OPTIONS, ServerArgs, check_paths
+from shunter.ops.server_cli import build_parser, parse_server_args, server_args_from
 
 # A value for each option that differs from its default (flags are just present).
 SAMPLE: dict[str, str | None] = {

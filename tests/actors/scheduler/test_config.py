@@ -7,7 +7,8 @@ import argparse
 import pytest
 
 from shunter.actors.scheduler.config import SchedulerConfig, from_server_args
-from shunter.ops.server_args import ServerArgs, parse_server_args
+from shunter.ops.server_args import ServerArgs
+from shunter.ops.server_cli import parse_server_args
 
 
 def _tiny_parser() -> argparse.ArgumentParser:

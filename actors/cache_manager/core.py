@@ -3,7 +3,8 @@
 Theory of operation
     The core owns the device KV pages and the radix tree over the tokens they hold. A
     request arrives as Tokenized: its longest cached prefix (page-aligned, leaving at
-    least one token to compute) is locked and published as Matched. The scheduler draws
+    least one token to compute, and every token whose prompt logprob it asks for) is
+    locked and published as Matched. The scheduler draws
     pages through leases (LeaseRequest -> LeaseGranted, evicting LRU unlocked leaves
     when the free set is short; a grant may be smaller than asked, even empty, and
     never waits). Pages come back through LeaseReturned, ChunkCached (a chunk's pages
@@ -46,11 +47,10 @@ Invariants (checked by tests/actors/cache_manager, after every message)
 
 from __future__ import annotations
 
-import msgspec
-
 from shunter.actors.cache_manager.allocator import ASIDE, FREE, OUT, TREE, PageLedger
 from shunter.actors.cache_manager.config import CacheConfig
 from shunter.actors.cache_manager.radix import Node, RadixTree
+from shunter.actors.cache_manager.stats import CacheStatistics
 from shunter.bus.messages import (
     AllBlocksCleared,
     BlockRemoved,
@@ -84,37 +84,22 @@ Inbox = (
 INBOX_TYPES: tuple[type[Msg], ...] = Inbox.__args__  # type: ignore[attr-defined]
 
 
-class CacheStatistics(msgspec.Struct, frozen=True, kw_only=True):
-    num_pages: int
-    num_free: int
-    num_leased: int  # OUT: with the scheduler, unused or in rows
-    num_aside: int  # handed over by ChunkCached, positions already cached
-    num_in_tree: int
-    num_nodes: int
-    num_locked_nodes: int
-    num_locked_pages: int
-    num_requests: int  # matched and not yet released
-    num_leases_in_flight: int
-    num_copies_in_flight: int
-    tree_version: int
-    num_matches: int
-    num_queried_tokens: int
-    num_hit_tokens: int
-    num_evicted_pages: int
-    num_free_refused: int
-    num_census_broken: int
-
-    @property
-    def hit_rate(self) -> float:
-        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+def _logprob_bound(t: Tokenized) -> int | None:
+    """Most prompt tokens a match may cover when prompt logprobs are asked for from
+    position s (logprob_start_len >= 0): the token at s is scored by the logits at
+    s - 1, which a cached prefix would not compute, so at most max(s - 1, 0). Without
+    it a repeated prompt would get None for the logprobs its prefix hit covered."""
+    s = t.sampling.logprob_start_len
+    return max(s - 1, 0) if s >= 0 else None
 
 
 class _Request:
-    __slots__ = ("aside", "key_tokens", "node", "reclaimed", "tokenized")
+    __slots__ = ("aside", "key_tokens", "max_match", "node", "reclaimed", "tokenized")
 
-    def __init__(self, tokenized: Tokenized, key_tokens: list[int]) -> None:
+    def __init__(self, tokenized: Tokenized, key_tokens: list[int], max_match: int | None) -> None:
         self.tokenized = tokenized
         self.key_tokens = key_tokens  # what is matched: input_ids, or computed tokens
+        self.max_match = max_match  # most tokens a match may cover (None: no bound)
         self.node: Node | None = None  # locked node of the current match
         self.aside: set[int] = set()  # its pages kept aside (see allocator.ASIDE)
         self.reclaimed: frozenset[int] = frozenset()  # its path pages a DropTree took
@@ -176,18 +161,20 @@ class CacheManagerCore:
         if t.request_id in self.requests:
             msg = f"request id {t.request_id!r} is already in use"
             return [RequestFailed(t.request_id, "invalid_request", msg, 400)]
-        req = self.requests[t.request_id] = _Request(t, t.input_ids)
+        req = self.requests[t.request_id] = _Request(t, t.input_ids, _logprob_bound(t))
         return [self._match(req)]
 
     def _match(self, req: _Request) -> Matched:
-        """Lock and publish the longest cached prefix, leaving >= 1 token to compute."""
+        """Lock and publish the longest cached prefix, leaving >= 1 token to compute
+        (and every token whose prompt logprob was asked for, see _logprob_bound)."""
         key = req.key_tokens
         req.reclaimed = frozenset()
         self._num_matches += 1
         self._num_queried += len(key)
-        if self.config.disable_radix_cache or len(key) <= self.page_size:
+        limit = len(key) - 1 if req.max_match is None else min(len(key) - 1, req.max_match)
+        if self.config.disable_radix_cache or limit < self.page_size:
             return Matched(req.tokenized, 0, [], self.tree.version)
-        found = self.tree.match(req.tokenized.extra_key, key[: len(key) - 1])
+        found = self.tree.match(req.tokenized.extra_key, key[:limit])
         self.tree.lock(found.node)
         req.node = found.node
         self._num_hit += found.num_tokens
@@ -334,7 +321,14 @@ class CacheManagerCore:
         self._unlock(req)
         del self.requests[rid]
         if msg.reason == "retracted":
-            again = self.requests[rid] = _Request(req.tokenized, msg.token_ids or req.key_tokens)
+            # tokens computed past the bound had their prompt logprobs reported: the
+            # bound is kept only while nothing past it was computed
+            bound = req.max_match
+            if bound is not None and len(msg.token_ids) > bound:
+                bound = None
+            again = self.requests[rid] = _Request(
+                req.tokenized, msg.token_ids or req.key_tokens, bound
+            )
             out.append(self._match(again))
         return out
 

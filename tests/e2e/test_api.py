@@ -155,6 +155,20 @@ def test_a_repeated_prompt_reports_cached_tokens(client, model):
     assert second.choices[0].text == first.choices[0].text
 
 
+def test_echoed_prompt_logprobs_do_not_depend_on_the_prefix_cache(client, model):
+    """A prompt scored with echo + logprobs is computed in full every time (a cached
+    prefix would leave its tokens unscored), so a repeat reports the same logprobs."""
+    kw = dict(model=model, prompt="Zebras graze near the river every morning", echo=True,
+              logprobs=1, max_tokens=1, temperature=0)  # fmt: skip
+    first, second = client.completions.create(**kw), client.completions.create(**kw)
+    a, b = first.choices[0].logprobs.token_logprobs, second.choices[0].logprobs.token_logprobs
+    assert second.usage.prompt_tokens_details.cached_tokens == 0
+    assert a[0] is None and b[0] is None and len(a) == len(b) == first.usage.total_tokens
+    assert b[1:] == pytest.approx(a[1:], abs=1e-4)
+    plain = client.completions.create(model=model, prompt=kw["prompt"], max_tokens=1)
+    assert plain.usage.prompt_tokens_details.cached_tokens == plain.usage.prompt_tokens - 1
+
+
 def test_a_burst_with_one_preamble_computes_it_once(client, model):
     """Requests sent together that share a long preamble (and nothing cached yet): the
     first computes it, the others wait for it and report it as cached."""

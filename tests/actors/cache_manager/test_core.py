@@ -157,6 +157,30 @@ def test_retracted_request_is_matched_again_over_its_computed_tokens():
     assert core.handle(RefreshMatch("zzz")) == []
 
 
+def test_prompt_logprobs_bound_the_match_to_what_they_score():
+    """The token at logprob_start_len s is scored by the logits at s - 1, so a match
+    covers at most max(s - 1, 0) tokens (page-aligned); a retraction after computing
+    tokens past it (their logprobs were reported) matches them all again."""
+    core = make(page_size=4)
+    ids = list(range(16))
+    serve(core, "a", ids, 1)
+
+    def match(rid: str, start: int) -> Matched:
+        (m,) = core.handle(Tokenized(rid, ids, SamplingParams(logprob_start_len=start)))
+        return m
+
+    got = {s: match(f"s{s}", s).num_cached_tokens for s in (-1, 0, 1, 5, 6, 9, 13, 16)}
+    assert got == {-1: 12, 0: 0, 1: 0, 5: 4, 6: 4, 9: 8, 13: 12, 16: 12}
+    (m,) = core.handle(RefreshMatch("s6"))  # a refresh keeps the bound
+    assert m.num_cached_tokens == 4
+    # retracted before computing anything: matched over its prompt again, bound kept
+    (m,) = core.handle(SequenceReleased("s0", [], lease(core, 2, 4), "retracted"))
+    assert m.num_cached_tokens == 0
+    pages = m.prefix_pages + lease(core, 3, 17)
+    out = core.handle(SequenceReleased("s0", [*ids, 99], pages, "retracted"))
+    assert out[-1].num_cached_tokens == 16
+
+
 def test_bad_frees_are_refused_and_change_nothing():
     core = make(page_size=2)
     ids = list(range(8))

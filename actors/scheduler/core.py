@@ -259,7 +259,9 @@ class SchedulerCore:
             req.abort_reason = "invalid"
             self._n["failed"] += 1
             self._drop_waiting(req, out, emit=False)
-        elif req.sampling.max_new_tokens <= 0:
+        elif req.sampling.max_new_tokens <= 0 and req.sampling.logprob_start_len < 0:
+            # nothing to generate or score; one asking for prompt logprobs runs its
+            # prefill without a sample and ends after it (results.py)
             self._emit(req, [], finish=FinishReason.LENGTH)
             self._release(req, "finished", out)
             del self.waiting[rid]

@@ -72,6 +72,8 @@ def plan_step(core: SchedulerCore, out: list[Msg]) -> ForwardBatch | None:
     chunk_left = cfg.chunk_tokens  # None: unbounded
     core.admission_deficit = 0
     for r in prefilling:  # the chunked prefill in progress continues first
+        if r.num_planned == len(r.all_ids):
+            continue  # a prompt scored without a sample: its last piece is in flight
         n, num_pages = _extend_size(r, chunk_left, pages_left, ps, by_pages=True)
         if n <= 0:  # no page for it now: the lease below brings them for the next step
             core.admission_deficit += _extend_size(r, chunk_left, None, ps, by_pages=False)[1]
@@ -296,7 +298,8 @@ def _add_extend(core: SchedulerCore, builder: BatchBuilder, r: Req, n: int, num_
     pages = core.pool.take(num_pages)
     r.pages.extend(pages)
     core.num_held += num_pages
-    builder.add_extend(r, n, pages, sample=r.num_planned + n == len(r.all_ids))
+    last = r.num_planned + n == len(r.all_ids)
+    builder.add_extend(r, n, pages, sample=last and r.sampling.max_new_tokens > 0)
 
 
 MAX_INSERTS_SCANNED = 64

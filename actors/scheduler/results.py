@@ -111,8 +111,13 @@ def _apply_entry(
     prompt_lps = res.prompt_logprobs
     if not sample:
         core._cache_chunk(req, out)
-        if prompt_lps and req.row in prompt_lps:
-            core._emit(req, [], prompt_logprobs=prompt_lps[req.row])
+        plp = prompt_lps.get(req.row) if prompt_lps else None
+        if req.num_computed == len(req.all_ids):  # a prompt scored without a sample
+            core._emit(req, [], prompt_logprobs=plp, finish=FinishReason.LENGTH)
+            core._n["finished"] += 1
+            core.finish_running(req, "finished", out)
+        elif plp:
+            core._emit(req, [], prompt_logprobs=plp)
         return 0, num_new
     num_prefill = 0
     if not req.row_sampled:

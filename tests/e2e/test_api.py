@@ -169,6 +169,29 @@ def test_echoed_prompt_logprobs_do_not_depend_on_the_prefix_cache(client, model)
     assert plain.usage.prompt_tokens_details.cached_tokens == plain.usage.prompt_tokens - 1
 
 
+def test_a_prompt_is_scored_without_generating(client, model, server):
+    """echo + logprobs with max_tokens 0 (how evaluation harnesses score a text), and
+    /generate with max_new_tokens 0: the prompt is computed and scored, nothing sampled."""
+    kw = dict(model=model, prompt="The quick brown fox jumps", echo=True, logprobs=1,
+              temperature=0)  # fmt: skip
+    scored = client.completions.create(max_tokens=0, **kw)
+    ref = client.completions.create(max_tokens=1, **kw)
+    (c,) = scored.choices
+    n = scored.usage.prompt_tokens
+    assert c.text == kw["prompt"] and scored.usage.completion_tokens == 0
+    assert c.logprobs.token_logprobs[0] is None and len(c.logprobs.token_logprobs) == n
+    assert c.logprobs.token_logprobs[1:] == pytest.approx(
+        ref.choices[0].logprobs.token_logprobs[1:n], abs=1e-4
+    )
+    status, raw = post(server, "/generate", {
+        "text": kw["prompt"], "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True, "logprob_start_len": 0})  # fmt: skip
+    meta = json.loads(raw)["meta_info"]
+    assert status == 200 and meta["completion_tokens"] == 0 and meta["output_token_logprobs"] == []
+    got = [lp for lp, _, _ in meta["input_token_logprobs"]]
+    assert got[0] is None and got[1:] == pytest.approx(c.logprobs.token_logprobs[1:], abs=1e-4)
+
+
 def test_a_burst_with_one_preamble_computes_it_once(client, model):
     """Requests sent together that share a long preamble (and nothing cached yet): the
     first computes it, the others wait for it and report it as cached."""

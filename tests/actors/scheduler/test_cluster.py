@@ -217,13 +217,14 @@ class SchedulerWithCache(RuleBasedStateMachine):
     @rule(
         prefix=st.sampled_from([[], list(range(300, 316)), list(range(400, 409))]),
         tail=st.lists(st.integers(20, 60), min_size=1, max_size=14),
-        max_new=st.integers(1, 24),
+        max_new=st.integers(0, 24),  # 0: a prompt scored without generating
         priority=st.integers(0, 3),
     )
     def arrive(self, prefix, tail, max_new, priority):
         rid = f"x{len(self.rids)}"
         self.rids.append(rid)
-        t = Tokenized(rid, prefix + tail, SamplingParams(max_new_tokens=max_new), priority)
+        sp = SamplingParams(max_new_tokens=max_new, logprob_start_len=0 if max_new == 0 else -1)
+        t = Tokenized(rid, prefix + tail, sp, priority)
         self.c.submit(t)
 
     @precondition(lambda self: self.rids)
@@ -307,7 +308,8 @@ def fuzz(seed: int, num_deliveries: int) -> Cluster:
             rid = f"z{len(rids)}"
             rids.append(rid)
             ids = rng.choice(prefixes) + [rng.randint(20, 90) for _ in range(rng.randint(1, 20))]
-            c.submit(tokenized(rid, ids, rng.randint(1, 40)))
+            max_new = rng.randint(0, 40)  # 0: a prompt scored without generating
+            c.submit(tokenized(rid, ids, max_new, logprob_start_len=0 if max_new == 0 else -1))
         elif x < 0.06 and rids:
             c.abort(rng.choice(rids), rng.choice(["client", "stop_string"]))
         elif x < 0.065:

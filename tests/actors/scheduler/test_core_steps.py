@@ -141,6 +141,32 @@ def test_logprobs_and_prompt_logprobs_are_passed_through():
     assert o.prompt_logprobs == [-1.0, -2.0, -3.0, -4.0]
 
 
+def test_a_prompt_scored_without_generating_runs_its_prefill_and_ends():
+    """max_new_tokens 0 with prompt logprobs (echo + logprobs, a /generate scoring
+    call): the prompt is computed, in chunks, with no sample; the last piece ends it.
+    Without prompt logprobs such a request ends at once, computing nothing."""
+    f = Feeder(chunked_prefill_size=4)
+    assert f.batch(f.send(matched("none", range(10), max_new=0))) is None
+    (o,) = outputs(f.log)
+    assert o.token_ids == [] and o.finish_reason == "length"
+    b = f.batch(f.send(matched("score", range(100, 110), max_new=0, logprob_start_len=0)))
+    assert b.sample == [False] and b.num_new_tokens == [4]
+    row = b.rows[0]
+    (o,) = outputs(f.send(StepResult(b.step_id, [], [], prompt_logprobs={row: [-1.0] * 4})))
+    assert o.prompt_logprobs == [-1.0] * 4 and o.finish_reason is None
+    pieces = [m for m in f.log if isinstance(m, ForwardBatch)]
+    assert [p.num_new_tokens for p in pieces] == [[4], [4]] and pieces[-1].sample == [False]
+    out = f.send(StepResult(pieces[-1].step_id, [], [], prompt_logprobs={row: [-2.0] * 4}))
+    pieces = [m for m in f.log if isinstance(m, ForwardBatch)]
+    assert pieces[-1].num_new_tokens == [2] and pieces[-1].sample == [False]
+    out = f.send(StepResult(pieces[-1].step_id, [], [], prompt_logprobs={row: [-3.0] * 2}))
+    (o,) = outputs(out)
+    assert o.token_ids == [] and o.prompt_logprobs == [-3.0] * 2 and o.finish_reason == "length"
+    (rel,) = of(out, SequenceReleased)
+    assert rel.token_ids == list(range(100, 110)) and rel.reason == "finished"
+    assert not f.core.running and f.core.statistics().num_finished == 2
+
+
 def test_ticks_publish_load_statistics():
     f = Feeder()
     f.send(Tick(1_000_000_000))

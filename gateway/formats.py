@@ -18,6 +18,7 @@ class Acc:
         self.prompt_ids: list[int] = []  # the whole prompt, when prompt logprobs were asked
         self.prompt_texts: list[str] = []
         self.prompt_logprobs: list[float] = []  # may arrive over several deltas (chunks)
+        self.prompt_tops: list[list] = []  # each prompt_logprobs item's top tokens, if asked
         self.last: TextDelta | None = None
 
     def add(self, d: TextDelta) -> None:
@@ -29,17 +30,22 @@ class Acc:
         if d.prompt_token_ids:
             self.prompt_ids, self.prompt_texts = d.prompt_token_ids, d.prompt_token_texts
         self.prompt_logprobs += d.prompt_logprobs
+        self.prompt_tops += d.prompt_top_logprobs
         self.last = d
 
-    def prompt_entries(self, start: int) -> list[tuple[float | None, int, str]]:
-        """(logprob, id, text) of prompt positions start.. (None where not computed: the
-        first position, and positions whose KV came from the prefix cache)."""
+    def prompt_entries(self, start: int) -> list[tuple[float | None, int, str, list]]:
+        """(logprob, id, text, top tokens) of prompt positions start.. (logprob None and
+        top [] where nothing scored it: the first position; top [] where none was
+        asked for)."""
         ids = self.prompt_ids[start:]
         if not ids:
             return []
-        lps = self.prompt_logprobs[-len(ids) :]
-        lps = [None] * (len(ids) - len(lps)) + [None if lp != lp else lp for lp in lps]
-        return list(zip(lps, ids, self.prompt_texts[start:]))
+        n = len(ids)
+        lps = self.prompt_logprobs[-n:]
+        lps = [None] * (n - len(lps)) + [None if lp != lp else lp for lp in lps]
+        tops = self.prompt_tops[-n:]
+        tops = [[]] * (n - len(tops)) + tops
+        return list(zip(lps, ids, self.prompt_texts[start:], tops))
 
 
 def usage(accs: list[Acc], n: int) -> dict:

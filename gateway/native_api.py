@@ -106,10 +106,16 @@ def _meta(rid: str, a: Acc, start_s: float, body: GenerateBody, start_len: int) 
             for row in a.top_logprobs
         ]
         if start_len >= 0 and a.prompt_ids:
+            entries = a.prompt_entries(start_len)
             meta["input_token_logprobs"] = [
-                [lp, tid, t if body.return_text_in_logprobs else None]
-                for lp, tid, t in a.prompt_entries(start_len)
+                [lp, tid, t if body.return_text_in_logprobs else None] for lp, tid, t, _ in entries
             ]
+            if body.top_logprobs_num > 0:
+                meta["input_top_logprobs"] = [
+                    [[x.logprob, x.token_id, x.text if body.return_text_in_logprobs else None]
+                     for x in top] if lp is not None else None
+                    for lp, _, _, top in entries
+                ]  # fmt: skip
     return meta
 
 

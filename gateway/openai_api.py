@@ -150,9 +150,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if prompt_lps:
             entries = a.prompt_entries(0)
             logprobs = completion_logprobs(
-                [t for _, _, t in entries] + a.token_texts,
-                [x for x, _, _ in entries] + a.logprobs,
-                [[]] * len(entries) + a.top_logprobs if a.top_logprobs else [],
+                [t for _, _, t, _ in entries] + a.token_texts,
+                [x for x, _, _, _ in entries] + a.logprobs,
+                _echo_tops(entries, a.top_logprobs, lp),
                 0,
             )
         elif lp is not None:
@@ -165,11 +165,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return json_response({**head, "choices": choices, "usage": usage(accs, req.n)})
 
 
+def _echo_tops(entries: list, tops: list[list], num_top: int | None) -> list[list]:
+    """The top_logprobs rows of an echoed prompt's entries followed by the output's
+    (an empty row stands for null: the first prompt token has none)."""
+    if not num_top:
+        return []
+    return [top for *_, top in entries] + tops
+
+
 async def _stream_completions(
     request, ctx: Ctx, req, gens, head, echo_of, lp, prompt_lps
 ) -> web.StreamResponse:
     accs = [Acc() for _ in gens]
     sent_echo = [False] * len(gens)
+    sent_chars = [0] * len(gens)  # text sent so far per choice: where text_offset goes on
     resp = await open_sse(request)
     try:
         async with generation(ctx, gens) as group:
@@ -183,12 +192,13 @@ async def _stream_completions(
                     text = echo_of(k) + text
                     if prompt_lps:
                         entries = accs[k].prompt_entries(0)
-                        tokens = [t for _, _, t in entries] + tokens
-                        lps = [x for x, _, _ in entries] + lps
-                        tops = [[]] * len(entries) + tops if tops else []
+                        tokens = [t for _, _, t, _ in entries] + tokens
+                        lps = [x for x, _, _, _ in entries] + lps
+                        tops = _echo_tops(entries, tops, lp)
                 logprobs = None
                 if lp is not None:
-                    logprobs = completion_logprobs(tokens, lps, tops, 0)
+                    logprobs = completion_logprobs(tokens, lps, tops, sent_chars[k])
+                sent_chars[k] += len(text)
                 choice = {"index": k, "text": text, "logprobs": logprobs,
                           "finish_reason": d.finish_reason, "matched_stop": d.matched_stop}  # fmt: skip
                 await sse_send(resp, {**head, "choices": [choice], "usage": None})

@@ -66,11 +66,14 @@ from shunter.actors.executor.core_plan import (
     Geometry,
     LogitsLayout,
     Plan,
+    PromptScores,
     Row,
     StepFailed,
     logits_layout,
     plan_batch,
     prompt_logprobs,
+    scores_to_host,
+    top_lists,
 )
 from shunter.actors.executor.row_tables import RowTables
 from shunter.actors.executor.runner import ForwardInput
@@ -105,7 +108,7 @@ class _InFlight:
     rows: list[Row] = field(default_factory=list)  # rows that sampled, in batch order
     row_ids: list[int] = field(default_factory=list)
     sample: DeviceSample | None = None  # host copies; valid once `event` completed
-    prompt_lp: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> host copy
+    prompt_lp: dict[int, PromptScores] = field(default_factory=dict)  # row -> host copies
     event: torch.cuda.Event | None = None  # recorded after the copies (CUDA only)
 
 
@@ -370,7 +373,7 @@ class ExecutorCore:
         nb = logits.device.type == "cuda"
         f = _InFlight(step_id, rows=rows, row_ids=sample_rows,
                       sample=None if ds is None else ds.to_host(non_blocking=nb),
-                      prompt_lp={r: t.to("cpu", non_blocking=nb) for r, t in prompt_lp.items()})  # fmt: skip
+                      prompt_lp={r: scores_to_host(t, nb) for r, t in prompt_lp.items()})  # fmt: skip
         if nb:
             f.event = torch.cuda.Event()
             f.event.record()
@@ -385,13 +388,15 @@ class ExecutorCore:
                 f.event.synchronize()
             samplings = [r.sampling for r in f.rows]
             out = sample_results(f.sample, samplings) if f.sample is not None else None
-            prompt_logprobs = {r: t.tolist() for r, t in f.prompt_lp.items()}
+            prompt_logprobs = {r: t.chosen.tolist() for r, t in f.prompt_lp.items()}
+            prompt_top = {r: top_lists(t) for r, t in f.prompt_lp.items() if t.top_ids is not None}
         except Exception as e:  # a device error surfaces here: its rows have no sample
             for row in f.rows:
                 row.inflight = False
             return self._fail(f.step_id, e)
         if out is None:
-            return StepResult(f.step_id, [], [], prompt_logprobs=prompt_logprobs)
+            return StepResult(f.step_id, [], [], prompt_logprobs=prompt_logprobs,
+                              prompt_top_logprobs=prompt_top)  # fmt: skip
         for row, t in zip(f.rows, out.token_ids):
             if row.inflight:  # not fed back yet by the step submitted after it
                 row.pending = t
@@ -404,4 +409,5 @@ class ExecutorCore:
             logprobs=out.logprobs,
             top_logprobs=[[TopLogprob(t, lp) for t, lp in top] for top in out.top_logprobs],
             prompt_logprobs=prompt_logprobs,
+            prompt_top_logprobs=prompt_top,
         )

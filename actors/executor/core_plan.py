@@ -13,7 +13,8 @@ core stages the same tensors, so an 8k-token prefill converts each list once. An
 inconsistency raises StepFailed naming the entry and the reason, so a malformed batch
 fails its step and leaves the mirror as it was. `logits_layout`
 says which token positions the forward returns logits for and which entry reads
-each; `prompt_logprobs` turns a prompt-logprob entry's logits into its values.
+each; `prompt_logprobs` turns a prompt-logprob entry's logits into its scores (the
+logprob of each prompt token, and its position's top tokens when asked).
 
 Invariants: plan_batch reads `rows` and never mutates it or the Row objects in it.
 An entry's ids hold LAST_SAMPLED only as ids[0], and only when it is `from_device`.
@@ -27,9 +28,9 @@ from typing import NamedTuple
 import msgspec
 import torch
 
-from shunter.actors.executor.sampling import RowSampling, raw_logprobs, validate_params
+from shunter.actors.executor.sampling import RowSampling, validate_params
 from shunter.actors.executor.slot_table import long_tensor
-from shunter.bus.messages import LAST_SAMPLED, ForwardBatch
+from shunter.bus.messages import LAST_SAMPLED, ForwardBatch, TopLogprob
 
 
 class Geometry(msgspec.Struct, frozen=True):
@@ -255,9 +256,20 @@ def logits_layout(entries: list[Entry]) -> LogitsLayout:
     return out
 
 
-def prompt_logprobs(e: Entry, row: Row, logits: torch.Tensor) -> torch.Tensor:
-    """[n] float32 on logits' device: logprobs of this entry's prompt tokens at
-    positions max(prompt_lp_from, start) .. end - 1.
+class PromptScores(NamedTuple):
+    """One entry's prompt logprobs on the logits' device: `chosen` [n] float32, and
+    when the row asks for top_logprobs_num k > 0 the k most likely tokens of each
+    position, `top_vals` [n, k] float32 and `top_ids` [n, k] int64. A position nothing
+    scored (position 0, a prefix that came from the cache) is NaN throughout."""
+
+    chosen: torch.Tensor
+    top_vals: torch.Tensor | None
+    top_ids: torch.Tensor | None
+
+
+def prompt_logprobs(e: Entry, row: Row, logits: torch.Tensor) -> PromptScores:
+    """The prompt scores of this entry's tokens at positions max(prompt_lp_from,
+    start) .. end - 1.
 
     logits: [k, V] float32 at positions first_lp_pos(e) .. end - 1; logits at
     position p score the token at p + 1. The entry's first token is scored by the
@@ -265,17 +277,40 @@ def prompt_logprobs(e: Entry, row: Row, logits: torch.Tensor) -> torch.Tensor:
     else NaN (position 0, or a prefix that came from the cache). Updates row.prompt_lp."""
     end = e.start + len(e.ids)
     lo = max(e.prompt_lp_from, e.start)
-    parts: list[torch.Tensor] = []
+    k = min(row.sampling.params.top_logprobs_num, logits.shape[-1])
+    parts: list[tuple[torch.Tensor, list[int]]] = []  # ([m, V] logprobs, the m next ids)
     if lo == e.start < end:
-        if row.prompt_lp is None:
-            parts.append(torch.full((1,), math.nan, device=logits.device))
-        else:
-            parts.append(row.prompt_lp[e.ids[0]].reshape(1))
+        first = row.prompt_lp
+        if first is None:
+            first = torch.full((logits.shape[-1],), math.nan, device=logits.device)
+        parts.append((first.unsqueeze(0), e.ids[:1]))
     q0 = max(lo, e.start + 1)  # first position scored by this entry's own logits
     if q0 < end:
-        first = first_lp_pos(e)
-        scored = logits[q0 - 1 - first : end - 1 - first]  # [end - q0, V]
-        parts.append(raw_logprobs(scored, torch.tensor(e.ids[q0 - e.start :])))
+        first_pos = first_lp_pos(e)
+        scored = logits[q0 - 1 - first_pos : end - 1 - first_pos]  # [end - q0, V]
+        parts.append((torch.log_softmax(scored, dim=-1), e.ids[q0 - e.start :]))
     # Keep the last position's distribution for the next chunk (a sample ends the prompt).
     row.prompt_lp = None if e.sample else torch.log_softmax(logits[-1], dim=-1)
-    return torch.cat(parts) if parts else logits.new_empty(0)
+    chosen, vals, ids = [], [], []
+    for lp, nxt in parts:
+        idx = torch.tensor(nxt, dtype=torch.int64).to(lp.device)
+        chosen.append(lp.gather(1, idx.unsqueeze(1)).squeeze(1))
+        if k > 0:
+            v, i = lp.topk(k, dim=-1)
+            vals.append(v), ids.append(i)
+    if not parts:
+        return PromptScores(logits.new_empty(0), None, None)
+    return PromptScores(torch.cat(chosen), torch.cat(vals) if k > 0 else None,
+                        torch.cat(ids) if k > 0 else None)  # fmt: skip
+
+
+def scores_to_host(s: PromptScores, non_blocking: bool) -> PromptScores:
+    return PromptScores(*(None if t is None else t.to("cpu", non_blocking=non_blocking)
+                          for t in s))  # fmt: skip
+
+
+def top_lists(s: PromptScores) -> list[list[TopLogprob]]:
+    """Host PromptScores -> each position's top tokens ([] where nothing scored it)."""
+    assert s.top_ids is not None and s.top_vals is not None
+    return [[] if c != c else [TopLogprob(t, v) for t, v in zip(ids, vals)]
+            for c, ids, vals in zip(s.chosen.tolist(), s.top_ids.tolist(), s.top_vals.tolist())]  # fmt: skip

@@ -362,15 +362,3 @@ def sample(logits: torch.Tensor, rows: Sequence[RowSampling]) -> SampleOutput:
     """logits: [B, V] float32, one row per entry of `rows`. Does not modify `logits`.
     sample_on_device then sample_results, in one call (reads the device)."""
     return sample_results(sample_on_device(logits, rows), rows)
-
-
-def raw_logprobs(logits: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
-    """[N] float32 raw logprob of each next token on logits' device: logits [N, V]
-    float32, next_ids [N] int64 (any device)."""
-    lp = torch.log_softmax(logits, dim=-1)
-    return lp.gather(1, to_device(next_ids, logits.device).unsqueeze(1)).squeeze(1)
-
-
-def token_logprobs(logits: torch.Tensor, next_ids: torch.Tensor) -> list[float]:
-    """Raw logprob of each next token: logits [N, V] float32, next_ids [N] int64."""
-    return raw_logprobs(logits, next_ids).tolist()

@@ -358,6 +358,7 @@ class SchedulerCore:
         top_logprobs: list | None = None,
         prompt_logprobs: list[float] | None = None,
         *,
+        prompt_top: list | None = None,
         finish: str | None = None,
         matched: int | None = None,
     ) -> None:
@@ -372,6 +373,7 @@ class SchedulerCore:
                 matched_stop=matched,
                 num_prompt_tokens=req.num_prompt,
                 num_cached_tokens=req.num_cached_reported,
+                prompt_top_logprobs=prompt_top or [],
             )
         )
 

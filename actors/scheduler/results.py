@@ -108,16 +108,16 @@ def _apply_entry(
         core._n["failed"] += 1
         core.finish_running(req, "aborted", out)
         return 0, 0
-    prompt_lps = res.prompt_logprobs
+    plp = res.prompt_logprobs.get(req.row) if res.prompt_logprobs else None
+    ptop = res.prompt_top_logprobs.get(req.row) if res.prompt_top_logprobs else None
     if not sample:
         core._cache_chunk(req, out)
-        plp = prompt_lps.get(req.row) if prompt_lps else None
         if req.num_computed == len(req.all_ids):  # a prompt scored without a sample
-            core._emit(req, [], prompt_logprobs=plp, finish=FinishReason.LENGTH)
+            core._emit(req, [], prompt_logprobs=plp, prompt_top=ptop, finish=FinishReason.LENGTH)
             core._n["finished"] += 1
             core.finish_running(req, "finished", out)
         elif plp:
-            core._emit(req, [], prompt_logprobs=plp)
+            core._emit(req, [], prompt_logprobs=plp, prompt_top=ptop)
         return 0, num_new
     num_prefill = 0
     if not req.row_sampled:
@@ -139,11 +139,10 @@ def _apply_entry(
     ask_top = len(res.top_logprobs) == len(res.rows)
     lps = [res.logprobs[k]] if sp.return_logprob and k < len(res.logprobs) else None
     top = [res.top_logprobs[k]] if ask_top and sp.top_logprobs_num > 0 else None
-    plp = prompt_lps.get(req.row) if prompt_lps else None
     if finish is None:
-        core._emit(req, [token], lps, top, plp)
+        core._emit(req, [token], lps, top, plp, prompt_top=ptop)
     else:
-        core._emit(req, [token], lps, top, plp, finish=finish, matched=matched)
+        core._emit(req, [token], lps, top, plp, prompt_top=ptop, finish=finish, matched=matched)
         core._n["finished"] += 1
         core.finish_running(req, "finished", out)
     return 1, num_prefill

@@ -109,6 +109,7 @@ def _merge(a: TextDelta, b: TextDelta) -> TextDelta:
         token_texts=a.token_texts + b.token_texts,
         prompt_token_ids=a.prompt_token_ids or b.prompt_token_ids,
         prompt_token_texts=a.prompt_token_texts or b.prompt_token_texts,
+        prompt_top_logprobs=a.prompt_top_logprobs + b.prompt_top_logprobs,
     )
 
 
@@ -323,11 +324,7 @@ class TokenizerCore:
             finish_reason, matched_stop = FinishReason.STOP, matched
             self._num_stop_matches += 1
         want_lp = sp.return_logprob or sp.top_logprobs_num > 0
-        top = (
-            [[TopLogprob(t.token_id, t.logprob, self.codec.token_text(t.token_id)) for t in row]
-             for row in out.top_logprobs]
-            if out.top_logprobs else []
-        )  # fmt: skip
+        top = self._with_texts(out.top_logprobs)
         first = state.first
         state.first = False
         prompt_ids = state.prompt_ids if first else []
@@ -339,7 +336,15 @@ class TokenizerCore:
             state.num_output_tokens, out.num_cached_tokens,
             [self.codec.token_text(i) for i in ids] if want_lp else [],
             prompt_ids, [self.codec.token_text(i) for i in prompt_ids],
+            self._with_texts(out.prompt_top_logprobs),
         ), matched  # fmt: skip
+
+    def _with_texts(self, tops: list[list[TopLogprob]]) -> list[list[TopLogprob]]:
+        """Top-logprob lists with each token's text filled in."""
+        if not tops:
+            return tops
+        text = self.codec.token_text
+        return [[TopLogprob(t.token_id, t.logprob, text(t.token_id)) for t in row] for row in tops]
 
     # -- queries -------------------------------------------------------------------------
 

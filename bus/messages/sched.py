@@ -67,6 +67,9 @@ class StepResult(Msg, tag="sched.result"):
     prompt_logprobs: dict[int, list[float]] = {}  # row -> prompt logprobs computed this step
     forward_us: int = 0  # executor's time for the step (for metrics; not used by cores)
     error: str | None = None  # a failed step: every row in it fails
+    # row -> the top tokens of each prompt position in prompt_logprobs ([] where none
+    # was scored), for rows that ask for prompt logprobs and top_logprobs_num > 0
+    prompt_top_logprobs: dict[int, list[list[TopLogprob]]] = {}
 
 
 class RequestOutput(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -81,6 +84,7 @@ class RequestOutput(msgspec.Struct, frozen=True, array_like=True, gc=False):
     matched_stop: int | None = None  # the stop token id that ended it
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_top_logprobs: list[list[TopLogprob]] = []  # one list per prompt_logprobs item
 
 
 class TokensOut(Msg, tag="sched.tokens"):

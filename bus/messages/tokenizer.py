@@ -43,6 +43,7 @@ class TextDelta(msgspec.Struct, frozen=True, array_like=True, gc=False):
     token_texts: list[str] = []  # text of each token in token_ids, when logprobs are asked for
     prompt_token_ids: list[int] = []  # first delta only, when logprob_start_len >= 0
     prompt_token_texts: list[str] = []  # text of each of prompt_token_ids
+    prompt_top_logprobs: list[list[TopLogprob]] = []  # one list per prompt_logprobs item
 
 
 class TextDeltas(Msg, tag="tok.deltas"):

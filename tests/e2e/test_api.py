@@ -183,13 +183,22 @@ def test_a_prompt_is_scored_without_generating(client, model, server):
     assert c.logprobs.token_logprobs[1:] == pytest.approx(
         ref.choices[0].logprobs.token_logprobs[1:n], abs=1e-4
     )
+    # each scored prompt token's top-1, as a harness checks whether a text is greedy
+    tops = c.logprobs.top_logprobs
+    assert tops[0] is None and len(tops) == n and all(len(t) == 1 for t in tops[1:])
+    for tok, lp, top in zip(c.logprobs.tokens[1:], c.logprobs.token_logprobs[1:], tops[1:]):
+        ((best, best_lp),) = top.items()
+        assert best_lp >= lp - 1e-5 and (best == tok) == (best_lp == pytest.approx(lp, abs=1e-5))
     status, raw = post(server, "/generate", {
-        "text": kw["prompt"], "sampling_params": {"max_new_tokens": 0},
-        "return_logprob": True, "logprob_start_len": 0})  # fmt: skip
+        "text": kw["prompt"], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+        "logprob_start_len": 0, "top_logprobs_num": 2})  # fmt: skip
     meta = json.loads(raw)["meta_info"]
     assert status == 200 and meta["completion_tokens"] == 0 and meta["output_token_logprobs"] == []
     got = [lp for lp, _, _ in meta["input_token_logprobs"]]
     assert got[0] is None and got[1:] == pytest.approx(c.logprobs.token_logprobs[1:], abs=1e-4)
+    in_tops = meta["input_top_logprobs"]
+    assert in_tops[0] is None and all(len(t) == 2 for t in in_tops[1:])
+    assert [t[0][0] for t in in_tops[1:]] == pytest.approx([max(t.values()) for t in tops[1:]])
 
 
 def test_a_burst_with_one_preamble_computes_it_once(client, model):

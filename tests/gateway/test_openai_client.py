@@ -153,4 +153,6 @@ def test_streamed_echo_with_logprobs_matches_the_unstreamed_one(client, stack):
     tokens = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
     lps = [x for c in chunks if c.logprobs for x in c.logprobs.token_logprobs]
     assert tokens == whole.logprobs.tokens and lps == whole.logprobs.token_logprobs
+    offsets = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+    assert offsets == whole.logprobs.text_offset  # cumulative, as in one response
     assert chunks[0].text.startswith("Once upon")

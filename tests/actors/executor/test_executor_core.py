@@ -181,6 +181,14 @@ def test_chunked_prefill_and_prompt_logprobs(model):
     assert math.isnan(whole[0]) and math.isnan(chunked[0])  # nothing predicts position 0
     assert all(v <= 0 for v in whole[1:])
     assert chunked[1:] == pytest.approx(whole[1:], abs=1e-4)
+    # top_logprobs_num 3: each scored position's top 3, the same whole or chunked
+    tops = one.prompt_top_logprobs[0]
+    tops_chunked = [t for r in (r1, r2, r3) for t in r.prompt_top_logprobs[0]]
+    assert len(tops) == len(tops_chunked) == len(ids) and tops[0] == tops_chunked[0] == []
+    for lp, top, top_c in zip(whole[1:], tops[1:], tops_chunked[1:], strict=True):
+        assert len(top) == 3 and top[0].logprob >= lp - 1e-6
+        assert [t.token_id for t in top] == [t.token_id for t in top_c]
+        assert [t.logprob for t in top] == pytest.approx([t.logprob for t in top_c], abs=1e-4)
     # The sampled token's raw logprob and top-3 agree with the prompt-logprob scale.
     assert one.logprobs[0] <= 0 and len(one.top_logprobs[0]) == 3
     assert one.top_logprobs[0][0].token_id == one.token_ids[0]  # greedy: the top-1
@@ -190,7 +198,7 @@ def test_chunked_prefill_and_prompt_logprobs(model):
     later = SamplingParams(temperature=0.0, logprob_start_len=30)
     r = drv3.step([(0, ids)], opens=[open_row(0, later)])
     assert r.prompt_logprobs[0] == pytest.approx(whole[30:], abs=1e-4)
-    assert r.logprobs == []  # nobody asked for output logprobs
+    assert r.logprobs == [] and r.prompt_top_logprobs == {}  # nobody asked for them
     # ... and when it falls inside the second of three chunks.
     drv4 = Driver(make_core(model))
     mid = SamplingParams(temperature=0.0, logprob_start_len=12)

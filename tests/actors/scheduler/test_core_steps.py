@@ -135,10 +135,12 @@ def test_logprobs_and_prompt_logprobs_are_passed_through():
     )  # fmt: skip
     row = b.rows[0]
     top = [[TopLogprob(7, -0.1)]]
-    out = f.send(StepResult(b.step_id, [row], [7], [-0.1], top, {row: [-1.0, -2.0, -3.0, -4.0]}))
+    ptop = [[], *[[TopLogprob(i, -0.5)] for i in range(1, 5)]]
+    out = f.send(StepResult(b.step_id, [row], [7], [-0.1], top, {row: [-1.0, -2.0, -3.0, -4.0]},
+                            prompt_top_logprobs={row: ptop}))  # fmt: skip
     (o,) = outputs(out)
     assert o.token_ids == [7] and o.logprobs == [-0.1] and o.top_logprobs == top
-    assert o.prompt_logprobs == [-1.0, -2.0, -3.0, -4.0]
+    assert o.prompt_logprobs == [-1.0, -2.0, -3.0, -4.0] and o.prompt_top_logprobs == ptop
 
 
 def test_a_prompt_scored_without_generating_runs_its_prefill_and_ends():

@@ -3,6 +3,8 @@ stop strings and stop tokens, queries."""
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import pytest
 
@@ -179,6 +181,15 @@ def test_logprob_texts_are_filled(codec, core):
     assert d.token_texts == ["Hi"]
     assert [(t.token_id, t.text) for t in d.top_logprobs[0]] == [(hi, "Hi"), (2, "<|im_end|>")]
     assert d.logprobs == [-0.5]
+    # prompt scores: each position's top tokens get their texts too
+    core.handle(_gen("p", text="Hi Hi", sampling={"logprob_start_len": 0, "top_logprobs_num": 1,
+                                                  "max_new_tokens": 0}))  # fmt: skip
+    out = RequestOutput("p", [], prompt_logprobs=[math.nan, -0.1], finish_reason="length",
+                        prompt_top_logprobs=[[], [TopLogprob(hi, -0.1)]])  # fmt: skip
+    (deltas,) = core.handle(TokensOut(1, [out]))
+    (d,) = deltas.deltas
+    assert len(d.prompt_token_ids) == 2 and d.prompt_top_logprobs[0] == []
+    assert [(t.token_id, t.text) for t in d.prompt_top_logprobs[1]] == [(hi, "Hi")]
 
 
 def test_external_abort_forgets_the_request(codec, core):

@@ -15,6 +15,7 @@ gateway holds no tokenizer of its own and stays free of model files.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -49,6 +50,7 @@ from shunter.gateway.validation import (
     check_n,
     completion_prompts,
     decode_body,
+    generation_prompt,
     sampling_from,
 )
 
@@ -218,6 +220,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_model(req.model, ctx.config.served_model_name)
     check_n(req.n, ctx.limits)
     messages: list[ChatMessage] = chat_messages(req.messages)
+    add_gen = generation_prompt(req.add_generation_prompt, req.continue_final_message)
     if req.tools:
         raise bad_request("tools are not supported by this server", param="tools")
     if req.response_format is not None and req.response_format.type != "text":
@@ -251,7 +254,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         GenerateRequest(
             rid, _seeded(sampling, k), messages=messages, stream=req.stream,
             priority=req.priority, arrival_ns=now_ns, clamp_max_new_tokens=clamp,
-            add_generation_prompt=req.add_generation_prompt,
+            add_generation_prompt=add_gen, continue_final_message=req.continue_final_message,
+            chat_template_kwargs=req.chat_template_kwargs or {},
         )
         for k, rid in enumerate(_expand(base_id, req.n))
     ]  # fmt: skip
@@ -343,7 +347,9 @@ class TokenizeBody(msgspec.Struct, kw_only=True):
     text: str | None = None
     messages: list = []
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None  # None: true unless continue_final_message
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeBody(msgspec.Struct, kw_only=True):
@@ -369,11 +375,13 @@ async def tokenize(request: web.Request) -> web.Response:
         except msgspec.ValidationError as e:
             raise bad_request(f"invalid messages: {e}", param="messages") from None
         messages = chat_messages(parsed)
+    add_gen = generation_prompt(body.add_generation_prompt, body.continue_final_message)
     reply = await ctx.engine.tokenize(
         TokenizeQuery(
-            new_id("q-"), text, messages, body.add_special_tokens, body.add_generation_prompt
+            new_id("q-"), text, messages, body.add_special_tokens, add_gen,
+            body.continue_final_message, body.chat_template_kwargs or {},
         )
-    )
+    )  # fmt: skip
     return json_response(
         {"tokens": reply.tokens, "count": len(reply.tokens), "max_model_len": reply.max_model_len}
     )

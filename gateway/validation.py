@@ -116,7 +116,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: ResponseFormat | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None  # None: true unless continue_final_message
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class Limits(msgspec.Struct, frozen=True):
@@ -147,6 +149,19 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop)
     _check(all(stops), "stop strings must not be empty", "stop")
     return stops
+
+
+def generation_prompt(add_generation_prompt: bool | None, continue_final_message: bool) -> bool:
+    """Whether the chat template adds the assistant's turn opening: as asked, else
+    unless the last message is to be continued; both at once is refused."""
+    _check(
+        not (add_generation_prompt and continue_final_message),
+        "continue_final_message and add_generation_prompt cannot both be true",
+        "continue_final_message",
+    )
+    if add_generation_prompt is None:
+        return not continue_final_message
+    return add_generation_prompt
 
 
 def check_n(n: int, limits: Limits) -> None:

@@ -15,6 +15,7 @@ import functools
 import json
 import pathlib
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -73,21 +74,44 @@ def render_chat(
     messages: Sequence[ChatMessage],
     *,
     add_generation_prompt: bool,
+    continue_final_message: bool = False,
+    template_kwargs: Mapping[str, Any] = {},
     special_tokens: Mapping[str, str] = {},
 ) -> str:
     """Apply `template` to the conversation and return the prompt text. Raises
-    ChatTemplateError when there is no template or the template refuses the input."""
+    ChatTemplateError when there is no template or the template refuses the input.
+
+    continue_final_message: the text ends right after the last message's content, so
+    the model goes on with it (an assistant reply begun by the client) rather than
+    after its end-of-turn; the content must appear in the rendered text.
+    template_kwargs: extra template variables (`enable_thinking`, say); the names the
+    renderer sets itself (messages, add_generation_prompt, ...) win over them."""
     if template is None:
         raise ChatTemplateError(
             "this model has no chat template; pass --chat-template or send a plain prompt"
         )
+    if continue_final_message and add_generation_prompt:
+        raise ChatTemplateError(
+            "continue_final_message and add_generation_prompt cannot both be true"
+        )
     conversation = [{"role": m.role, "content": m.content} for m in messages]
     try:
-        return compile_template(template).render(
-            messages=conversation, add_generation_prompt=add_generation_prompt, tools=None,
-            documents=None, **special_tokens,
-        )  # fmt: skip
+        text = compile_template(template).render(**{
+            **template_kwargs, "messages": conversation,
+            "add_generation_prompt": add_generation_prompt, "tools": None, "documents": None,
+            **special_tokens,
+        })  # fmt: skip
     except ChatTemplateError:
         raise
     except Exception as e:  # jinja raises many types; every one is the request's fault
         raise ChatTemplateError(f"chat template failed: {e}") from e
+    if not continue_final_message:
+        return text
+    final = messages[-1].content.strip() if messages else ""
+    at = text.rfind(final) if final else -1
+    if at < 0:
+        raise ChatTemplateError(
+            "continue_final_message: the last message's content does not appear in the "
+            "rendered conversation (it must be non-empty text the template keeps)"
+        )
+    return text[: at + len(final)]

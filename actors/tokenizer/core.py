@@ -166,7 +166,10 @@ class TokenizerCore:
                 raise _Invalid("invalid_request", "messages must not be empty")
             try:
                 text = self.codec.render_chat(
-                    req.messages, add_generation_prompt=req.add_generation_prompt
+                    req.messages,
+                    add_generation_prompt=req.add_generation_prompt,
+                    continue_final_message=req.continue_final_message,
+                    template_kwargs=req.chat_template_kwargs,
                 )
             except ChatTemplateError as e:
                 raise _Invalid("invalid_request", str(e)) from None

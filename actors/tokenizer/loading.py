@@ -21,7 +21,7 @@ import json
 import pathlib
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -108,9 +108,17 @@ class TextCodec:
         """The text of one token on its own (logprob entries); special tokens included."""
         return self.tk.decode([token_id], skip_special_tokens=False)
 
-    def render_chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> str:
+    def render_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] = {},
+    ) -> str:
         return render_chat(
             self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, template_kwargs=template_kwargs,
             special_tokens=self.special_tokens,
         )  # fmt: skip
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from shunter.bus.messages.base import Msg
@@ -57,6 +59,10 @@ class GenerateRequest(Msg, tag="req.generate"):
     # True: a prompt too long for prompt + max_new_tokens shortens max_new_tokens to fit
     # (the OpenAI API with max_tokens unset); False: such a request fails (400).
     clamp_max_new_tokens: bool = False
+    # chat only: end the prompt inside the last message (an assistant reply to go on
+    # with) instead of closing it, and extra variables for the template
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] = {}
 
 
 class AbortRequest(Msg, tag="req.abort"):

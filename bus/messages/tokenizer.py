@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from shunter.bus.messages.base import Msg
@@ -62,6 +64,8 @@ class TokenizeQuery(Msg, tag="tok.query.encode"):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True  # messages only
+    continue_final_message: bool = False  # messages only, as in GenerateRequest
+    chat_template_kwargs: dict[str, Any] = {}  # messages only
 
 
 class TokenizeReply(Msg, tag="tok.reply.encode"):

@@ -80,6 +80,8 @@ class _Values:
                 return t.values[0]
             case mi.NoneType():
                 return None
+            case mi.AnyType():  # free-form JSON (template variables): a nested value
+                return {f"{name}-{self.next()}": [self.next(), True, None]}
             case _:
                 raise TypeError(f"field {name!r}: no canonical value for {t!r}; extend _Values")
 

@@ -68,6 +68,10 @@ def strategy_for(t: mi.Type) -> st.SearchStrategy:
         case mi.StructType(cls=cls, fields=fields):
             kwargs = {f.name: strategy_for(f.type) for f in fields}
             return st.fixed_dictionaries(kwargs).map(lambda kw: cls(**kw))
+        case mi.AnyType():  # free-form JSON values (template variables)
+            scalars = st.none() | st.booleans() | _INT64 | _FLOAT | _TEXT
+            return st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
+                                | st.dictionaries(_TEXT, inner, max_size=3), max_leaves=6)  # fmt: skip
     raise NotImplementedError(f"no strategy for {t!r}: extend strategy_for")
 
 

@@ -56,6 +56,18 @@ def test_chat_stream_chunks_and_usage(client, stack):
     assert all(c.id == chunks[0].id for c in chunks)
 
 
+def test_chat_continues_the_final_message_when_asked(client, stack):
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello, my"}]
+    client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2,
+                                   extra_body={"continue_final_message": True})  # fmt: skip
+    text = stack.codec.decode(stack.engine.seen[-1].input_ids, skip_special_tokens=False)
+    assert text.endswith("assistant\nHello, my")  # left open, no generation prompt
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, extra_body={
+            "continue_final_message": True, "add_generation_prompt": True})  # fmt: skip
+    assert e.value.body["param"] == "continue_final_message"
+
+
 def test_second_identical_prompt_reports_cached_tokens(client):
     msgs = [{"role": "user", "content": "cache me please"}]
     first = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2)

@@ -241,6 +241,33 @@ def test_chat_template_override_as_text_and_file(codec, tmp_path):
     assert t.input_ids == codec.encode(text, add_special_tokens=False)
 
 
+def test_continue_final_message_and_template_variables(codec, core):
+    """continue_final_message ends the prompt inside the last message (the model goes
+    on with a reply the client began); chat_template_kwargs reach the template."""
+    from shunter.actors.tokenizer.chat import ChatTemplateError, render_chat
+
+    msgs = [ChatMessage("user", "hi"), ChatMessage("assistant", "Hello, my name ")]
+    closed = codec.render_chat(msgs, add_generation_prompt=False)
+    cont = codec.render_chat(msgs, add_generation_prompt=False, continue_final_message=True)
+    assert closed.startswith(cont) and cont.endswith("<|im_start|>assistant\nHello, my name")
+    (t,) = core.handle(_gen("cf", messages=msgs, add_generation_prompt=False,
+                            continue_final_message=True))  # fmt: skip
+    assert t.input_ids == codec.encode(cont, add_special_tokens=False)
+    with pytest.raises(ChatTemplateError, match="cannot both be true"):
+        codec.render_chat(msgs, add_generation_prompt=True, continue_final_message=True)
+    (f,) = core.handle(_gen("cf2", messages=[ChatMessage("user", "")],
+                            add_generation_prompt=False, continue_final_message=True))  # fmt: skip
+    assert isinstance(f, RequestFailed) and f.http_status == 400 and "does not appear" in f.message
+    tmpl = "{% if think %}<think>{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    one = [ChatMessage("user", "x")]
+    assert render_chat(tmpl, one, add_generation_prompt=False) == "x"
+    assert render_chat(tmpl, one, add_generation_prompt=False,
+                       template_kwargs={"think": True}) == "<think>x"  # fmt: skip
+    # the renderer's own names win over a template variable of the same name
+    assert render_chat(tmpl, one, add_generation_prompt=False,
+                       template_kwargs={"messages": []}) == "x"  # fmt: skip
+
+
 def test_template_that_refuses_input_is_a_400(codec):
     from shunter.actors.tokenizer.loading import TextCodec
 

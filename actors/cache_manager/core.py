@@ -84,22 +84,35 @@ Inbox = (
 INBOX_TYPES: tuple[type[Msg], ...] = Inbox.__args__  # type: ignore[attr-defined]
 
 
-def _logprob_bound(t: Tokenized) -> int | None:
-    """Most prompt tokens a match may cover when prompt logprobs are asked for from
-    position s (logprob_start_len >= 0): the token at s is scored by the logits at
-    s - 1, which a cached prefix would not compute, so at most max(s - 1, 0). Without
-    it a repeated prompt would get None for the logprobs its prefix hit covered."""
+def _first_match_bound(t: Tokenized) -> int:
+    """Most tokens a new request's match may cover: all but one (its logits give the
+    next token), and when prompt logprobs are asked for from position s
+    (logprob_start_len >= 0) at most max(s - 1, 0), since the token at s is scored by
+    the logits at s - 1, which a cached prefix would not compute."""
+    bound = len(t.input_ids) - 1
     s = t.sampling.logprob_start_len
-    return max(s - 1, 0) if s >= 0 else None
+    return min(bound, max(s - 1, 0)) if s >= 0 else bound
+
+
+def _retracted_bound(t: Tokenized, computed: list[int]) -> int:
+    """Most tokens a retracted request's match may cover, its key being the tokens it
+    had computed (fewer than it holds, so all may be cached). Stopped inside its prompt
+    with prompt logprobs asked for, it reported them up to position len(computed) - 1,
+    and the next one is scored by the logits at len(computed) - 1 (the scheduler
+    reopens the row asking from there), so those must be computed again."""
+    s = t.sampling.logprob_start_len
+    if s >= 0 and len(computed) < len(t.input_ids):
+        return max(s, len(computed)) - 1
+    return len(computed)
 
 
 class _Request:
     __slots__ = ("aside", "key_tokens", "max_match", "node", "reclaimed", "tokenized")
 
-    def __init__(self, tokenized: Tokenized, key_tokens: list[int], max_match: int | None) -> None:
+    def __init__(self, tokenized: Tokenized, key_tokens: list[int], max_match: int) -> None:
         self.tokenized = tokenized
         self.key_tokens = key_tokens  # what is matched: input_ids, or computed tokens
-        self.max_match = max_match  # most tokens a match may cover (None: no bound)
+        self.max_match = max_match  # most tokens a match may cover
         self.node: Node | None = None  # locked node of the current match
         self.aside: set[int] = set()  # its pages kept aside (see allocator.ASIDE)
         self.reclaimed: frozenset[int] = frozenset()  # its path pages a DropTree took
@@ -161,17 +174,17 @@ class CacheManagerCore:
         if t.request_id in self.requests:
             msg = f"request id {t.request_id!r} is already in use"
             return [RequestFailed(t.request_id, "invalid_request", msg, 400)]
-        req = self.requests[t.request_id] = _Request(t, t.input_ids, _logprob_bound(t))
+        req = self.requests[t.request_id] = _Request(t, t.input_ids, _first_match_bound(t))
         return [self._match(req)]
 
     def _match(self, req: _Request) -> Matched:
         """Lock and publish the longest cached prefix, leaving >= 1 token to compute
-        (and every token whose prompt logprob was asked for, see _logprob_bound)."""
+        (and every token whose prompt logprob was asked for): see _first_match_bound."""
         key = req.key_tokens
         req.reclaimed = frozenset()
         self._num_matches += 1
         self._num_queried += len(key)
-        limit = len(key) - 1 if req.max_match is None else min(len(key) - 1, req.max_match)
+        limit = min(len(key), req.max_match)
         if self.config.disable_radix_cache or limit < self.page_size:
             return Matched(req.tokenized, 0, [], self.tree.version)
         found = self.tree.match(req.tokenized.extra_key, key[:limit])
@@ -321,14 +334,11 @@ class CacheManagerCore:
         self._unlock(req)
         del self.requests[rid]
         if msg.reason == "retracted":
-            # tokens computed past the bound had their prompt logprobs reported: the
-            # bound is kept only while nothing past it was computed
-            bound = req.max_match
-            if bound is not None and len(msg.token_ids) > bound:
-                bound = None
-            again = self.requests[rid] = _Request(
-                req.tokenized, msg.token_ids or req.key_tokens, bound
-            )
+            if msg.token_ids:  # matched over what it computed
+                key, bound = msg.token_ids, _retracted_bound(req.tokenized, msg.token_ids)
+            else:  # computed nothing: as before
+                key, bound = req.key_tokens, req.max_match
+            again = self.requests[rid] = _Request(req.tokenized, key, bound)
             out.append(self._match(again))
         return out
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from shunter.actors.scheduler.req import PARKED, RETRACTED, Req
 from shunter.bus.messages import FinishReason, Msg, Tokenized
 
@@ -24,6 +26,14 @@ def retract(core: SchedulerCore, req: Req, out: list[Msg]) -> None:
     """Give a running request's KV back (prefix kept in the tree); it waits for the
     cache manager's new Matched, then re-queues with its output so far."""
     core._end_running(req, "retracted", out)
+    sp = req.sampling
+    if sp.logprob_start_len >= 0:
+        # Prompt logprobs went out up to position num_computed - 1 (the next one is
+        # scored by logits lost with the row): the reopened row asks from there, or
+        # for none once the prompt is done, so no position is reported twice. The
+        # cache manager's match leaves position num_computed - 1 to compute.
+        start = -1 if req.num_output > 0 else max(sp.logprob_start_len, req.num_computed)
+        req.sampling = msgspec.structs.replace(sp, logprob_start_len=start)
     req.state = RETRACTED
     req.awaiting_match = True
     req.num_computed = req.num_planned = 0

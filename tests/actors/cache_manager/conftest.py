@@ -31,9 +31,12 @@ from shunter.bus.messages import (
 
 
 class _Waiting:
-    def __init__(self, tok: Tokenized, target: list[int], m: Matched, key: list[int]) -> None:
+    def __init__(
+        self, tok: Tokenized, target: list[int], m: Matched, key: list[int], limit: int | None
+    ) -> None:
         self.tok, self.target, self.stale = tok, target, False
         self.key = key  # what the cache manager matches: the prompt, or computed tokens
+        self.limit = limit  # most tokens a match may cover (None: all of key but one)
         self.num_cached, self.prefix = m.num_cached_tokens, m.prefix_pages
 
 
@@ -104,9 +107,10 @@ class CacheMachineBase(RuleBasedStateMachine):
         self.next_id += 1
         return f"r{self.next_id}"
 
-    def oracle_match(self, ns: str, key: list[int]) -> int:
-        """Longest page-aligned prefix of key[:-1] spelled by any root path (brute force)."""
-        limit = max(len(key) - 1, 0)
+    def oracle_match(self, ns: str, key: list[int], limit: int | None = None) -> int:
+        """Longest page-aligned prefix of key[:limit] (key[:-1] by default) spelled by
+        any root path (brute force)."""
+        limit = max(len(key) - 1, 0) if limit is None else limit
         limit -= limit % self.ps
         best = 0
         for node in self.core.tree.nodes():
@@ -122,11 +126,11 @@ class CacheMachineBase(RuleBasedStateMachine):
             best = max(best, k - k % self.ps)
         return best
 
-    def check_match(self, out, rid: str, key: list[int]) -> Matched:
+    def check_match(self, out, rid: str, key: list[int], limit: int | None = None) -> Matched:
         assert len(out) == 1 and isinstance(out[0], Matched), out
         m = out[0]
         assert m.request.request_id == rid
-        assert m.num_cached_tokens == self.oracle_match(m.request.extra_key, key)
+        assert m.num_cached_tokens == self.oracle_match(m.request.extra_key, key, limit)
         assert len(m.prefix_pages) * self.ps == m.num_cached_tokens
         assert m.tree_version == self.core.tree.version
         node = self.core.requests[rid].node

@@ -149,18 +149,21 @@ def test_retracted_request_is_matched_again_over_its_computed_tokens():
     out = core.handle(SequenceReleased("a", computed, pages, "retracted"))
     stored, m = out
     assert isinstance(stored, BlockStored) and isinstance(m, Matched)
-    assert m.request.input_ids == prompt and m.num_cached_tokens == 6
-    assert m.prefix_pages == pages[:6] and m.tree_version == 1
-    assert core.tree.num_locked_pages == 6 and "a" in core.requests
+    # all of them: a running request holds more tokens than it computed (its last
+    # sample, or the rest of its prompt), so one is left to compute anyway
+    assert m.request.input_ids == prompt and m.num_cached_tokens == 7
+    assert m.prefix_pages == pages[:7] and m.tree_version == 1
+    assert core.tree.num_locked_pages == 7 and "a" in core.requests
     (m2,) = core.handle(RefreshMatch("a"))  # refresh keeps matching the computed tokens
-    assert m2.num_cached_tokens == 6 and core.tree.num_locked_pages == 6
+    assert m2.num_cached_tokens == 7 and core.tree.num_locked_pages == 7
     assert core.handle(RefreshMatch("zzz")) == []
 
 
 def test_prompt_logprobs_bound_the_match_to_what_they_score():
     """The token at logprob_start_len s is scored by the logits at s - 1, so a match
-    covers at most max(s - 1, 0) tokens (page-aligned); a retraction after computing
-    tokens past it (their logprobs were reported) matches them all again."""
+    covers at most max(s - 1, 0) tokens (page-aligned). A retracted request is matched
+    over what it computed: all of it after its prompt, and inside its prompt all but
+    the position that scores the next token."""
     core = make(page_size=4)
     ids = list(range(16))
     serve(core, "a", ids, 1)
@@ -179,6 +182,12 @@ def test_prompt_logprobs_bound_the_match_to_what_they_score():
     pages = m.prefix_pages + lease(core, 3, 17)
     out = core.handle(SequenceReleased("s0", [*ids, 99], pages, "retracted"))
     assert out[-1].num_cached_tokens == 16
+    # retracted inside its prompt: reported up to position 11, and the logits at 11
+    # score position 12, so at most 11 tokens (8, page-aligned) come from the cache
+    (m,) = core.handle(RefreshMatch("s5"))
+    pages = m.prefix_pages + lease(core, 4, 2)
+    out = core.handle(SequenceReleased("s5", ids[:12], pages, "retracted"))
+    assert out[-1].num_cached_tokens == 8
 
 
 def test_bad_frees_are_refused_and_change_nothing():

@@ -58,7 +58,7 @@ class CacheMachine(CacheMachineBase):
         rid = self.new_id()
         tok = Tokenized(rid, tokens, SP, extra_key=ns)
         m = self.check_match(self.send(tok), rid, tokens)
-        self.waiting[rid] = _Waiting(tok, tokens, m, tokens)
+        self.waiting[rid] = _Waiting(tok, tokens, m, tokens, None)
 
     @rule(base=st.integers(0, 2), plen=st.integers(4, 24), ns=st.sampled_from(["", "lora"]),
           suffix=st.lists(st.integers(0, 40), max_size=4), num_decode=st.integers(0, 3),
@@ -181,8 +181,10 @@ class CacheMachine(CacheMachineBase):
         assert all(isinstance(o, BlockStored) for o in events), out
         if reason == "retracted":
             target = r.target if len(r.target) > len(r.computed) else r.computed
-            m = self.check_match([o for o in out if isinstance(o, Matched)], rid, r.computed)
-            self.waiting[rid] = _Waiting(r.tok, target, m, r.computed)
+            # all it computed may be cached: it holds more tokens than that
+            m = self.check_match([o for o in out if isinstance(o, Matched)], rid, r.computed,
+                                 len(r.computed))  # fmt: skip
+            self.waiting[rid] = _Waiting(r.tok, target, m, r.computed, len(r.computed))
         else:
             assert not any(isinstance(o, Matched) for o in out)
             self.released.append(msg)
@@ -198,7 +200,7 @@ class CacheMachine(CacheMachineBase):
 
     def refresh_one(self, rid: str) -> None:
         w = self.waiting[rid]
-        m = self.check_match(self.send(RefreshMatch(rid)), rid, w.key)
+        m = self.check_match(self.send(RefreshMatch(rid)), rid, w.key, w.limit)
         w.num_cached, w.prefix, w.stale = m.num_cached_tokens, m.prefix_pages, False
 
     @precondition(lambda self: self.waiting)

@@ -44,6 +44,8 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     enable_metrics: bool = False
     """--enable-metrics: serve /metrics (Prometheus text); 404 otherwise."""
+    log_requests: bool = False
+    """--log-requests: log every finished request at info level (else debug)."""
 
     health_timeout_s: float = 20.0
     """/health and /health_generate answer 503 when the engine does not answer in time."""

@@ -198,7 +198,7 @@ class Engine:
             self._finished(s, d.finish_reason, d, now)
 
     def _finished(self, s: RequestStream, reason: str, d: TextDelta | None, now: float) -> None:
-        log.debug(
+        (log.info if self.config.log_requests else log.debug)(
             "request finished", request_id=s.request_id, finish_reason=reason,
             num_prompt_tokens=d.num_prompt_tokens if d else 0,
             num_completion_tokens=d.num_completion_tokens if d else 0,

@@ -50,7 +50,7 @@ from shunter.actors.supervisor import (
 )
 from shunter.actors.supervisor_core import ActorSpec, SupervisorConfig
 from shunter.bus.messages import Ready
-from shunter.ops.server_args import ServerArgs, check_paths
+from shunter.ops.server_args import COMPAT_ONLY, FLAG_OF, ServerArgs, check_paths
 from shunter.ops.server_cli import add_server_arguments, namespace_to_server_args
 
 log = structlog.get_logger("shunter.serve")
@@ -106,6 +106,9 @@ def no_effect_notes(a: ServerArgs) -> list[str]:
                      "on a CUDA device")  # fmt: skip
     if a.device == "cpu" and a.skip_server_warmup:
         notes.append("--skip-server-warmup: only a CUDA executor warms up")
+    for field, why in COMPAT_ONLY.items():
+        if getattr(a, field) not in (None, False):
+            notes.append(f"{FLAG_OF[field]}: {why}")
     return notes
 
 
@@ -211,6 +214,7 @@ def build_config(spec: ActorSpec, a: ServerArgs, ready: Mapping[str, Ready], see
             return GatewayConfig(
                 actor_id=spec.actor_id, host=a.host, port=a.port, api_key=a.api_key,
                 admin_api_key=a.admin_api_key, enable_metrics=a.enable_metrics,
+                log_requests=a.log_requests,
                 served_model_name=a.served_model_name or source.name, model_path=source.path,
                 tokenizer_path=a.tokenizer_path or source.path,
                 max_context_len=facts["max_context_len"], server_info=info,

@@ -30,6 +30,11 @@ import msgspec
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "priority", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# other spellings of a dtype that SGLang and vLLM take, as ServerArgs stores them
+DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32",
+                 "bf16": "bfloat16"}  # fmt: skip
+KV_CACHE_DTYPES = ("auto",)
+TOKENIZER_MODES = ("auto",)
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -60,6 +65,11 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """A file path, or the template text itself."""
     random_seed: int | None = None
     """Seed of the per-request seeds drawn at the gateway; None draws one at start."""
+    trust_remote_code: bool = False
+    """Accepted for compatibility: no code from a model directory is ever run."""
+    revision: str | None = None
+    """Accepted for compatibility: models are read from local files only."""
+    tokenizer_mode: str = "auto"
 
     # server
     host: str = "127.0.0.1"
@@ -77,27 +87,42 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
     stream_interval: int = 1
+    schedule_conservativeness: float = 1.0
+    """Scales the new-token reservation of admission (SGLang's init/min new token ratios)."""
+    enable_mixed_chunk: bool = False
+    """Accepted for compatibility: prefill chunks always share steps with decodes."""
 
     # memory
     max_total_tokens: int | None = None
     mem_fraction_static: float | None = None
     page_size: int = 1
+    kv_cache_dtype: str = "auto"
     cuda_graph_max_bs: int | None = None
     disable_cuda_graph: bool = False
     skip_server_warmup: bool = False
     attention_backend: str = "auto"
     decode_attention_backend: str = "auto"
     """Kernels of all-decode steps; auto: triton up to 256 entries under flashinfer (faster)."""
+    enable_torch_compile: bool = False
+    """Accepted for compatibility: the executor's kernels and CUDA graphs are its own."""
 
     # parallelism
     tp_size: int = 1
     dp_size: int = 1
     pp_size: int = 1
+    ep_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
 
     # logging
     log_level: str = "info"
     log_format: str = "auto"
     """auto: console lines on a terminal, JSON lines otherwise."""
+    log_requests: bool = False
+    """Log every finished request at info level (ids, token counts, finish reason)."""
+    enable_cache_report: bool = False
+    """Accepted for compatibility: cached_tokens is always in the usage."""
     record_events: str | None = None
     """A directory: the bus recorder writes every message there."""
     bus_dir: str | None = None
@@ -137,17 +162,24 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
      "small batches); none keeps them in --dtype and greedy output exact"),
     ("dtype", ("--dtype",), "model", "weight and activation dtype"),
     ("device", ("--device",), "model", "where the model runs"),
-    ("context_length", ("--context-length",), "model", "maximum tokens per sequence"),
+    ("context_length", ("--context-length", "--max-model-len"), "model",
+     "maximum tokens per sequence"),
     ("served_model_name", ("--served-model-name",), "model", "model name the API reports"),
     ("chat_template", ("--chat-template",), "model", "chat template file or inline template"),
-    ("random_seed", ("--random-seed",), "model", "seed for request seeds"),
+    ("random_seed", ("--random-seed", "--seed"), "model", "seed for request seeds"),
+    ("trust_remote_code", ("--trust-remote-code",), "model",
+     "accepted for compatibility (no code from a model directory is ever run)"),
+    ("revision", ("--revision",), "model",
+     "accepted for compatibility (models are read from local files only)"),
+    ("tokenizer_mode", ("--tokenizer-mode",), "model", "the HF fast tokenizer"),
+
     ("host", ("--host",), "server", "address to listen on"),
     ("port", ("--port",), "server", "HTTP port"),
     ("api_key", ("--api-key",), "server", "bearer key required on every endpoint"),
     ("admin_api_key", ("--admin-api-key",), "server", "bearer key for admin endpoints"),
     ("enable_metrics", ("--enable-metrics",), "server", "serve Prometheus text at /metrics"),
     ("schedule_policy", ("--schedule-policy",), "scheduling", "waiting-queue order"),
-    ("max_running_requests", ("--max-running-requests",), "scheduling",
+    ("max_running_requests", ("--max-running-requests", "--max-num-seqs"), "scheduling",
      "most requests decoding at once (default: from the KV pool size)"),
     ("max_prefill_tokens", ("--max-prefill-tokens", "--max-prefill-num-token"), "scheduling",
      "token budget of one prefill batch (its first request is always admitted)"),
@@ -157,25 +189,43 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("disable_overlap_schedule", ("--disable-overlap-schedule",), "scheduling",
      "plan a step only after the previous one finished"),
     ("stream_interval", ("--stream-interval",), "scheduling", "tokens per streamed chunk"),
+    ("schedule_conservativeness", ("--schedule-conservativeness",), "scheduling",
+     "scales the output tokens admission reserves per request (larger: fewer retractions)"),
+    ("enable_mixed_chunk", ("--enable-mixed-chunk",), "scheduling",
+     "accepted for compatibility (prefill chunks always share steps with decodes)"),
     ("max_total_tokens", ("--max-total-tokens",), "memory", "KV pool size in tokens"),
-    ("mem_fraction_static", ("--mem-fraction-static",), "memory",
+    ("mem_fraction_static", ("--mem-fraction-static", "--gpu-memory-utilization"), "memory",
      "fraction of device memory for weights and KV pool"),
-    ("page_size", ("--page-size",), "memory", "tokens per KV page"),
+    ("page_size", ("--page-size", "--block-size"), "memory", "tokens per KV page"),
+    ("kv_cache_dtype", ("--kv-cache-dtype",), "memory", "KV cache dtype (auto: the model's)"),
     ("cuda_graph_max_bs", ("--cuda-graph-max-bs",), "memory", "largest CUDA-graph batch"),
-    ("disable_cuda_graph", ("--disable-cuda-graph",), "memory", "run decode without CUDA graphs"),
+    ("disable_cuda_graph", ("--disable-cuda-graph", "--enforce-eager"), "memory",
+     "run decode without CUDA graphs"),
     ("skip_server_warmup", ("--skip-server-warmup",), "memory",
      "no warm-up steps before ready (kernels built on first use then stall a request)"),
     ("attention_backend", ("--attention-backend",), "memory", "attention kernels"),
     ("decode_attention_backend", ("--decode-attention-backend",), "memory",
      "decode attention kernels (auto: triton for decode batches up to 256 under flashinfer)"),
+    ("enable_torch_compile", ("--enable-torch-compile",), "memory",
+     "accepted for compatibility (the executor's kernels and CUDA graphs are its own)"),
     ("tp_size", ("--tp-size", "--tensor-parallel-size", "--tp"), "parallelism",
      "tensor parallel size"),
     ("dp_size", ("--dp-size", "--data-parallel-size", "--dp"), "parallelism",
      "data parallel size"),
     ("pp_size", ("--pp-size", "--pipeline-parallel-size", "--pp"), "parallelism",
      "pipeline parallel size"),
+    ("ep_size", ("--ep-size", "--expert-parallel-size", "--ep"), "parallelism",
+     "expert parallel size"),
+    ("nnodes", ("--nnodes",), "parallelism", "number of nodes"),
+    ("node_rank", ("--node-rank",), "parallelism", "this node's rank"),
+    ("dist_init_addr", ("--dist-init-addr", "--nccl-init-addr"), "parallelism",
+     "address of the first node (multi-node)"),
     ("log_level", ("--log-level",), "logging", "least severe level logged"),
     ("log_format", ("--log-format",), "logging", "console lines or JSON lines"),
+    ("log_requests", ("--log-requests", "--enable-log-requests"), "logging",
+     "log every finished request (ids, token counts, finish reason, latency)"),
+    ("enable_cache_report", ("--enable-cache-report",), "logging",
+     "accepted for compatibility (cached_tokens is always in the usage)"),
     ("record_events", ("--record-events",), "logging",
      "record every bus message into this directory (replay with busctl)"),
     ("bus_dir", ("--bus-dir",), "logging",
@@ -192,6 +242,28 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
      "seconds an actor may take to become ready (load its model)"),
 )  # fmt: skip
 
+# Options taken so that SGLang command lines run, with why each changes nothing here
+# (done already, or meaningless): `shunter serve` says so at start.
+COMPAT_ONLY = {
+    "trust_remote_code": "no code from a model directory is ever run",
+    "revision": "models are read from local files only",
+    "enable_mixed_chunk": "prefill chunks always share steps with decodes",
+    "enable_torch_compile": "the executor runs its own kernels and CUDA graphs",
+    "enable_cache_report": "cached_tokens is always in the usage",
+    "dist_init_addr": "one node serves alone",
+}
+
+# SGLang options for what this server does not do yet: given, each stops the start with
+# the reason (rather than argparse's "unrecognized arguments").
+REFUSED: dict[tuple[str, ...], str] = {
+    ("--quantization",): "quantized checkpoints are not supported yet (--weight-format "
+    "packs the projection weights of a float checkpoint for the CPU)",
+    ("--skip-tokenizer-init",): "serving without a tokenizer is not supported yet",
+    ("--enable-lora", "--lora-paths"): "LoRA adapters are not supported yet",
+    ("--speculative-algorithm",): "speculative decoding is not supported yet",
+    ("--enable-dp-attention",): "data-parallel attention is not supported yet",
+}
+
 GROUPS = ("model", "server", "scheduling", "memory", "parallelism", "logging", "deployment")
 FIELDS: frozenset[str] = frozenset(ServerArgs.__struct_fields__)
 # field -> the spelling used in error messages (the primary flag)
@@ -201,9 +273,11 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "schedule_policy": SCHEDULE_POLICIES, "dtype": DTYPES, "load_format": LOAD_FORMATS,
     "device": DEVICES, "log_level": LOG_LEVELS, "log_format": LOG_FORMATS,
     "attention_backend": ATTENTION_BACKENDS, "weight_format": WEIGHT_FORMATS,
-    "decode_attention_backend": DECODE_ATTENTION_BACKENDS,
+    "decode_attention_backend": DECODE_ATTENTION_BACKENDS, "kv_cache_dtype": KV_CACHE_DTYPES,
+    "tokenizer_mode": TOKENIZER_MODES,
 }  # fmt: skip
-_PARALLEL_NAMES = {"tp_size": "tensor", "dp_size": "data", "pp_size": "pipeline"}
+_PARALLEL_NAMES = {"tp_size": "tensor", "dp_size": "data", "pp_size": "pipeline",
+                   "ep_size": "expert"}  # fmt: skip
 assert {f for f, *_ in OPTIONS} == FIELDS, "every ServerArgs field needs exactly one OPTIONS row"
 
 
@@ -226,6 +300,12 @@ def _problems(a: ServerArgs) -> list[str]:
             out.append(f"{flag(field)}: must be >= 1")
         elif size != 1:
             out.append(f"{flag(field)}: {kind} parallelism is not supported yet (only 1)")
+    if a.nnodes != 1:
+        out.append(f"{flag('nnodes')}: must be 1 (multi-node serving is not supported yet)")
+    if a.node_rank != 0:
+        out.append(f"{flag('node_rank')}: must be 0 (multi-node serving is not supported yet)")
+    if not a.schedule_conservativeness > 0:
+        out.append(f"{flag('schedule_conservativeness')}: must be > 0")
     if not 1 <= a.port <= 65535:
         out.append(f"{flag('port')}: must be a TCP port in 1..65535")
     if not a.host:

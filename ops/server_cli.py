@@ -16,7 +16,16 @@ from typing import Any
 
 import msgspec
 
-from shunter.ops.server_args import CHOICES, FIELDS, FLAG_OF, GROUPS, OPTIONS, ServerArgs
+from shunter.ops.server_args import (
+    CHOICES,
+    DTYPE_ALIASES,
+    FIELDS,
+    FLAG_OF,
+    GROUPS,
+    OPTIONS,
+    REFUSED,
+    ServerArgs,
+)
 
 # ---- argparse -----------------------------------------------------------------------
 
@@ -61,12 +70,27 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             kw.update(type=kind, help=help_ + _default_text(field))
             if field in CHOICES:
-                kw["choices"] = CHOICES[field]
+                kw["choices"] = CHOICES[field] + (tuple(DTYPE_ALIASES) if field == "dtype" else ())
             else:
                 kw["metavar"] = (
                     _METAVARS.get(field) or {int: "N", float: "SECONDS", str: "STR"}[kind]
                 )
         groups[group].add_argument(*flags, **kw)
+    refused = parser.add_argument_group("not supported yet")
+    for flags, why in REFUSED.items():
+        refused.add_argument(*flags, nargs="*", metavar="ARG", action=_Refused,
+                             default=argparse.SUPPRESS, help=why, why=why)  # fmt: skip
+
+
+class _Refused(argparse.Action):
+    """An option this server does not support: using it is an error that says why."""
+
+    def __init__(self, *args: Any, why: str, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.why = why
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(f"{option_string}: {self.why}")
 
 
 def build_parser(prog: str = "shunter serve") -> argparse.ArgumentParser:
@@ -97,9 +121,14 @@ def load_config_file(path: str) -> dict[str, Any]:
     alias_to_field = {
         flag[2:].replace("-", "_"): field for field, flags, _, _ in OPTIONS for flag in flags
     }
+    refused = {flag[2:].replace("-", "_"): why for flags, why in REFUSED.items() for flag in flags}
     out: dict[str, Any] = {}
     for key, value in data.items():
-        field = alias_to_field.get(str(key).lstrip("-").replace("-", "_"))
+        name = str(key).lstrip("-").replace("-", "_")
+        field = alias_to_field.get(name)
+        why = refused.get(name)
+        if why is not None:
+            raise ValueError(f"--config: {path}: {key!r}: {why}")
         if field is None:
             raise ValueError(f"--config: {path}: unknown option {key!r}")
         if field in out:
@@ -119,6 +148,8 @@ def server_args_from(cli: Mapping[str, Any], config_file: str | None = None) -> 
         if key in FIELDS:
             merged[key] = value
             source[key] = "command line"
+    if isinstance(merged.get("dtype"), str):  # "half", "bf16", ...: the name stored
+        merged["dtype"] = DTYPE_ALIASES.get(merged["dtype"], merged["dtype"])
     try:
         return msgspec.convert(merged, ServerArgs, strict=False)
     except msgspec.ValidationError as e:

@@ -16,6 +16,10 @@ import msgspec
 SCHEDULE_POLICIES = ("fcfs", "lpm", "priority", "lof", "random")
 
 
+INIT_NEW_TOKEN_RATIO = 0.7  # SGLang's defaults
+MIN_NEW_TOKEN_RATIO = 0.1
+
+
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything the scheduler core decides with. Defaults follow SGLang where it has one."""
 
@@ -37,10 +41,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     eos_token_ids: tuple[int, ...] = ()
     """The model's end-of-sequence ids: always stop tokens unless ignore_eos."""
 
-    init_new_token_ratio: float = 0.7
+    init_new_token_ratio: float = INIT_NEW_TOKEN_RATIO
     """Share of each running request's remaining max_new_tokens reserved before
     admitting more (SGLang's init_new_token_ratio), also the value after a retraction."""
-    min_new_token_ratio: float = 0.1
+    min_new_token_ratio: float = MIN_NEW_TOKEN_RATIO
     """Floor the reserve ratio decays to."""
     new_token_ratio_decay_steps: int = 600
     """Steps to decay from init to min after the last retraction."""
@@ -171,6 +175,10 @@ def from_server_args(
     if chunk is None:
         chunk = max(page_size, 8192 // page_size * page_size)
     seed = getattr(args, "random_seed", None)
+    # --schedule-conservativeness scales both new token ratios (as SGLang does)
+    scale = float(getattr(args, "schedule_conservativeness", 1.0))
+    init_ratio = min(INIT_NEW_TOKEN_RATIO * scale, 1.0)
+    min_ratio = min(MIN_NEW_TOKEN_RATIO * scale, init_ratio)
     fields: dict[str, Any] = dict(
         max_running_requests=running,
         max_prefill_tokens=getattr(args, "max_prefill_tokens", 16384),
@@ -184,6 +192,8 @@ def from_server_args(
         refresh_stale_matches=not getattr(args, "disable_radix_cache", False),
         in_batch_prefix_sharing=not getattr(args, "disable_radix_cache", False),
         max_batches_in_flight=1 if getattr(args, "disable_overlap_schedule", False) else 2,
+        init_new_token_ratio=init_ratio,
+        min_new_token_ratio=min_ratio,
     )
     fields.update(overrides)
     return SchedulerConfig(**fields)

@@ -210,3 +210,5 @@ def test_device_checks_and_no_effect_notes(capsys):
     assert len(notes) == 1 and "only on a CUDA device" in notes[0]
     notes = no_effect_notes(ServerArgs(device="cpu", skip_server_warmup=True))
     assert notes == ["--skip-server-warmup: only a CUDA executor warms up"]
+    notes = no_effect_notes(ServerArgs(trust_remote_code=True, enable_torch_compile=True))
+    assert [n.split(":")[0] for n in notes] == ["--trust-remote-code", "--enable-torch-compile"]

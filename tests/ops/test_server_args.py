@@ -27,6 +27,11 @@ SAMPLE: dict[str, str | None] = {
     "log_level": "debug", "log_format": "json", "record_events": "/tmp/ev", "bus_dir": "/tmp/bus",
     "multi_process": None, "shutdown_timeout": "5", "watchdog_timeout": "60",
     "heartbeat_interval": "0.5", "start_timeout": "30",
+    # accepted so that SGLang (and vLLM) command lines run
+    "trust_remote_code": None, "revision": "main", "tokenizer_mode": "auto",
+    "schedule_conservativeness": "1.3", "enable_mixed_chunk": None, "kv_cache_dtype": "auto",
+    "enable_torch_compile": None, "ep_size": "1", "nnodes": "1", "node_rank": "0",
+    "dist_init_addr": "10.0.0.1:5000", "log_requests": None, "enable_cache_report": None,
 }  # fmt: skip
 ALIASES = [(field, flag) for field, flags, _, _ in OPTIONS for flag in flags]
 
@@ -53,6 +58,35 @@ def test_sglang_aliases_are_declared():
     for flag in ("--model", "--tp", "--dp", "--pp", "--tensor-parallel-size",
                  "--data-parallel-size", "--pipeline-parallel-size", "--max-prefill-num-token"):  # fmt: skip
         assert flag in declared
+
+
+def test_vllm_spellings_and_dtype_aliases():
+    a = parse_server_args(["--max-model-len", "2048", "--max-num-seqs", "8", "--seed", "3",
+                           "--gpu-memory-utilization", "0.8", "--enforce-eager",
+                           "--block-size", "16", "--dtype", "half"])  # fmt: skip
+    assert (a.context_length, a.max_running_requests, a.random_seed) == (2048, 8, 3)
+    assert (a.mem_fraction_static, a.disable_cuda_graph, a.page_size) == (0.8, True, 16)
+    assert a.dtype == "float16" and parse_server_args(["--dtype", "bf16"]).dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("argv", [["--quantization", "fp8"], ["--enable-lora"],
+                                  ["--lora-paths", "a", "b"], ["--skip-tokenizer-init"],
+                                  ["--kv-cache-dtype", "fp8_e4m3"], ["--nnodes", "2"],
+                                  ["--ep", "2"]])  # fmt: skip
+def test_unsupported_sglang_options_say_why(argv):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            parse_server_args(argv)
+        except SystemExit as e:
+            assert e.code == 2
+            message = err.getvalue()
+        except ValueError as e:
+            message = str(e)
+        else:
+            raise AssertionError(f"{argv} was accepted")
+    assert argv[0] in message or "--ep-size" in message, message
+    assert "not supported" in message or "invalid choice" in message, message
 
 
 def test_no_prefix_abbreviation():

@@ -39,6 +39,17 @@ def test_serve_arguments_map_onto_the_scheduler_config(flag):
     assert cfg.num_total_pages == 500 and cfg.refresh_stale_matches and cfg.in_batch_prefix_sharing
 
 
+def test_schedule_conservativeness_scales_the_new_token_ratios():
+    base = from_server_args(ServerArgs(), num_total_pages=100, max_context_len=4096)
+    more = from_server_args(ServerArgs(schedule_conservativeness=1.2), num_total_pages=100,
+                            max_context_len=4096)  # fmt: skip
+    assert more.init_new_token_ratio == pytest.approx(base.init_new_token_ratio * 1.2)
+    assert more.min_new_token_ratio == pytest.approx(base.min_new_token_ratio * 1.2)
+    most = from_server_args(ServerArgs(schedule_conservativeness=5), num_total_pages=100,
+                            max_context_len=4096)  # fmt: skip
+    assert most.init_new_token_ratio == 1.0 and most.min_new_token_ratio <= 1.0
+
+
 def test_engine_chosen_defaults():
     cfg = from_server_args(ServerArgs(page_size=16), num_total_pages=100, max_context_len=4096)
     assert cfg.chunked_prefill_size % 16 == 0 and cfg.chunked_prefill_size == 8192

@@ -226,6 +226,9 @@ class _Sharers:
         end = -(-(r.num_cached + max(self.key_len, self.ps)) // self.ps) * self.ps
         if end > r.num_prompt - 1:  # r's last prompt token is always computed
             return False
+        start_lp = r.sampling.logprob_start_len
+        if start_lp >= 0 and end > start_lp - 1:  # scored tokens are computed anyway
+            return False
         head = r.all_ids[:end]
         return any(
             o.num_prompt >= end and o.all_ids[:end] == head for o in self.by_key.get(key, ())

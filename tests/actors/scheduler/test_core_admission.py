@@ -287,3 +287,10 @@ def test_short_or_cached_shares_do_not_defer():
     g.send(matched("b", [*shared, 2], cached=40, pages=range(10), max_new=3))
     (b,) = of(g.send(FlipDone("hold", 1, True)), ForwardBatch)
     assert admitted(b) == ["a", "b"]
+    # nor one that scores its prompt from the start (it computes every token anyway)
+    h = Feeder(max_running_requests=8, page_size=4, in_batch_prefix_sharing=True)
+    h.send(FlipBegin("hold", "update_weights"))
+    h.send(matched("a", [*shared, 1], max_new=3))
+    h.send(matched("b", [*shared, 2], max_new=3, logprob_start_len=0))
+    (b,) = of(h.send(FlipDone("hold", 1, True)), ForwardBatch)
+    assert admitted(b) == ["a", "b"]

@@ -9,6 +9,11 @@
   refused (400) while requests are in flight: their prefixes are locked.
 - /abort_request (admin): `{"rid": id}` or `{"abort_all": true}`; the affected requests
   end with finish_reason "abort".
+- /update_weights_from_disk (admin): `{"model_path": ...}`; a weights flip (flips.py):
+  running requests finish first (or are aborted, `abort_all_requests`, or put back in
+  the queue, `retract`), then the checkpoint is copied into the live weights and the
+  prefix cache dropped. 200 `{"success": true, ...}`; 400 with the reason when the
+  checkpoint is refused (the old weights keep serving).
 """
 
 from __future__ import annotations
@@ -76,10 +81,12 @@ async def health_generate(request: web.Request) -> web.Response:
 @routes.get("/get_model_info")
 async def get_model_info(request: web.Request) -> web.Response:
     cfg = ctx_of(request).config
+    served = ctx_of(request).engine.flips.model_path or cfg.model_path
     return json_response({
-        "model_path": cfg.model_path, "tokenizer_path": cfg.tokenizer_path or cfg.model_path,
+        "model_path": served, "tokenizer_path": cfg.tokenizer_path or cfg.model_path,
         "served_model_name": cfg.served_model_name, "is_generation": True,
-        "max_context_len": cfg.max_context_len, "weight_version": "default",
+        "max_context_len": cfg.max_context_len,
+        "weight_version": ctx_of(request).engine.flips.weight_version,
     })  # fmt: skip
 
 
@@ -141,3 +148,33 @@ async def abort_request(request: web.Request) -> web.Response:
         raise bad_request("give rid or abort_all", param="rid")
     found = [rid for rid in rids if await ctx.engine.abort_id(rid, "admin")]
     return json_response({"success": True, "num_aborted": len(found), "aborted": found})
+
+
+class UpdateWeightsBody(msgspec.Struct, kw_only=True):
+    model_path: str
+    load_format: str = "auto"
+    weight_version: str | None = None
+    abort_all_requests: bool = False  # end running requests (finish_reason "abort")
+    retract: bool = False  # put running requests back in the queue; they go on afterwards
+    timeout: float | None = None  # seconds to wait for running requests to finish
+
+
+@routes.post("/update_weights_from_disk")
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    body = decode_body(await read_body(request), UpdateWeightsBody)
+    ctx.engine.check_available()
+    if not body.model_path:
+        raise bad_request("model_path must not be empty", param="model_path")
+    if body.timeout is not None and not body.timeout > 0:
+        raise bad_request("timeout must be > 0 seconds", param="timeout")
+    if body.abort_all_requests:
+        for rid in sorted({s.request_id for s in ctx.engine.streams.values()}):
+            await ctx.engine.abort_id(rid, "admin")
+    out = await ctx.engine.flips.update_weights(
+        new_id("flip-"), body.model_path, body.load_format, weight_version=body.weight_version,
+        retract=body.retract, drain_timeout_s=body.timeout,
+    )  # fmt: skip
+    reply = {"success": out.ok, "message": out.message,
+             "num_paused_requests": out.num_paused_requests}  # fmt: skip
+    return json_response(reply, status=200 if out.ok else 400)

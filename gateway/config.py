@@ -46,6 +46,9 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     """--enable-metrics: serve /metrics (Prometheus text); 404 otherwise."""
     log_requests: bool = False
     """--log-requests: log every finished request at info level (else debug)."""
+    weights_load_timeout_s: float = 600.0
+    """How long a flip waits for the executor to load new weights (and for each other
+    stage but the drain)."""
 
     health_timeout_s: float = 20.0
     """/health and /health_generate answer 503 when the engine does not answer in time."""

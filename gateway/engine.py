@@ -53,6 +53,7 @@ from shunter.bus.messages import (
 from shunter.bus.transport import Bus
 from shunter.gateway.config import GatewayConfig
 from shunter.gateway.errors import APIError, from_request_failed
+from shunter.gateway.flips import Flips
 from shunter.gateway.metrics import Metrics
 
 log = structlog.get_logger(actor="gateway")
@@ -142,6 +143,7 @@ class Engine:
         self.dead: dict[str, str] = {}  # actor id -> reason, from ActorDied
         self.shutting_down: str | None = None
         self.stats: SchedulerStats | None = None
+        self.flips = Flips(bus, load_timeout_s=config.weights_load_timeout_s)
 
     def statistics(self) -> GatewayStats:
         m = self.metrics

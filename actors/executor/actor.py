@@ -6,7 +6,7 @@ Entry point for `shunter serve`:
 
 Theory of operation: loads the model and sizes the KV pool in a worker thread (seconds,
 under a progress bar; `core` skips that when the caller already built one), subscribes
-to ForwardBatch, publishes `Ready(actor="executor", info=...)` (what the cache manager
+to ForwardBatch and UpdateWeights, publishes `Ready(actor="executor", info=...)` (what the cache manager
 and scheduler size themselves from: num_pages, page_size, max_context_len, vocab_size,
 eos_token_ids as a comma-separated string), then feeds every batch to
 `ExecutorCore.submit` in a worker thread, so the event loop keeps moving messages while
@@ -21,6 +21,10 @@ publishes that step's result, rather than holding it for a batch that may only c
 once the scheduler has it. On the CPU a step is done when submit returns, so there
 it flushes at once. Each StepResult is stamped with `forward_us`, the wall
 time from its batch's submit to its result. Runs until cancelled.
+
+A flip's UpdateWeights comes when nothing runs: the step in flight, if any, is flushed,
+the new checkpoint is copied into the live weights in a worker thread (reload.py), and
+WeightsUpdated says whether it was (a refused one leaves the old weights serving).
 
 A malformed batch or a failed forward is a StepResult with `error` (the core's job);
 a failure to load is actor-scoped: LoadError propagates to the supervisor.
@@ -43,7 +47,9 @@ import structlog
 from shunter.actors.executor.build import build_core
 from shunter.actors.executor.config import ExecutorConfig
 from shunter.actors.executor.core import ExecutorCore
-from shunter.bus.messages import ForwardBatch, Ready, StepResult
+from shunter.actors.executor.loader import LoadError
+from shunter.actors.executor.reload import reload_weights
+from shunter.bus.messages import ForwardBatch, Ready, StepResult, UpdateWeights, WeightsUpdated
 from shunter.bus.subscription import Subscription
 from shunter.bus.transport import Bus
 
@@ -71,20 +77,27 @@ def ready_info(core: ExecutorCore) -> dict[str, int | float | str]:
 async def run(config: ExecutorConfig, bus: Bus, *, core: ExecutorCore | None = None) -> None:
     if core is None:
         core = await anyio.to_thread.run_sync(build_core, config)
-    async with bus.subscribe("sched.batch", types=(ForwardBatch,)) as sub:
+    async with bus.subscribe(types=(ForwardBatch, UpdateWeights)) as sub:
         await bus.publish(Ready("executor", config.actor_id, ready_info(core)))
         log.info("executor ready", actor_id=config.actor_id)
-        await _serve(core, sub, bus)
+        await _serve(core, config, sub, bus)
 
 
-async def _serve(core: ExecutorCore, sub: Subscription, bus: Bus) -> None:
+async def _serve(core: ExecutorCore, config: ExecutorConfig, sub: Subscription, bus: Bus) -> None:
     """submit every batch; flush whenever no next batch is already waiting, and before
     a submit when the step in flight is already done (always on a CPU, where a forward
     runs inside submit: holding its result through the next forward would only delay
-    it by a step)."""
+    it by a step). UpdateWeights comes between batches: what is in flight is flushed
+    first."""
     submitted: deque[int] = deque()  # perf_counter_ns at the submit of each unanswered step
     batch = await _receive(sub)
     while batch is not None:
+        if isinstance(batch, UpdateWeights):
+            if submitted:
+                await _publish(bus, await anyio.to_thread.run_sync(core.flush), submitted)
+            await bus.publish(await anyio.to_thread.run_sync(_update, core, config, batch))
+            batch = await _receive(sub)
+            continue
         if submitted and core.step_ready():
             await _publish(bus, await anyio.to_thread.run_sync(core.flush), submitted)
         submitted.append(time.perf_counter_ns())
@@ -95,13 +108,25 @@ async def _serve(core: ExecutorCore, sub: Subscription, bus: Bus) -> None:
             batch = await _receive(sub)
 
 
-async def _receive_unless_ready(core: ExecutorCore, sub: Subscription) -> ForwardBatch | None:
+def _update(core: ExecutorCore, config: ExecutorConfig, msg: UpdateWeights) -> WeightsUpdated:
+    try:
+        what = reload_weights(core, config, msg.model_path, msg.load_format)
+    except LoadError as e:
+        log.warning("weights not updated", flip_id=msg.flip_id, error=str(e))
+        return WeightsUpdated(msg.flip_id, False, str(e))
+    log.info("weights updated", flip_id=msg.flip_id, model_path=msg.model_path, loaded=what)
+    return WeightsUpdated(msg.flip_id, True, what)
+
+
+async def _receive_unless_ready(
+    core: ExecutorCore, sub: Subscription
+) -> ForwardBatch | UpdateWeights | None:
     """The next batch if it arrives before the step in flight is done on the device,
     else None (also once the subscription is closed). Receiving is cancellation-safe
     (a message being handed over when the race ends stays queued)."""
     if core.step_ready():
         return None
-    got: list[ForwardBatch | None] = []
+    got: list[ForwardBatch | UpdateWeights | None] = []
     async with anyio.create_task_group() as tg:
 
         async def ready() -> None:
@@ -119,23 +144,23 @@ async def _receive_unless_ready(core: ExecutorCore, sub: Subscription) -> Forwar
     return got[0] if got else None
 
 
-async def _receive(sub: Subscription) -> ForwardBatch | None:
-    """The next batch, waiting for it; None once the subscription is closed."""
+async def _receive(sub: Subscription) -> ForwardBatch | UpdateWeights | None:
+    """The next message, waiting for it; None once the subscription is closed."""
     try:
         msg = (await sub.receive()).msg
     except (anyio.ClosedResourceError, anyio.EndOfStream):
         return None
-    assert isinstance(msg, ForwardBatch)
+    assert isinstance(msg, ForwardBatch | UpdateWeights)
     return msg
 
 
-def _receive_nowait(sub: Subscription) -> ForwardBatch | None:
-    """The next batch if one is already queued, else None."""
+def _receive_nowait(sub: Subscription) -> ForwardBatch | UpdateWeights | None:
+    """The next message if one is already queued, else None."""
     try:
         msg = sub.receive_nowait().msg
     except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.EndOfStream):
         return None
-    assert isinstance(msg, ForwardBatch)
+    assert isinstance(msg, ForwardBatch | UpdateWeights)
     return msg
 
 

@@ -81,6 +81,7 @@ from shunter.bus.messages import (
     FlipBegin,
     FlipCutover,
     FlipDone,
+    FlipQuiesced,
     LeaseGranted,
     Matched,
     Msg,
@@ -126,6 +127,7 @@ class SchedulerCore:
         self.new_token_ratio = config.init_new_token_ratio
         self.num_held = 0  # pages drawn from the pool into rows, not handed over
         self.paused_by: set[str] = set()  # flip ids (or "shutdown") holding admission
+        self.quiesce_pending: set[str] = set()  # flips to tell once nothing runs
         self.retract_all_pending = False
         self.draining = False
         self.tombstones: deque[str] = deque(maxlen=config.max_tombstones)
@@ -169,12 +171,14 @@ class SchedulerCore:
                 on_tick(self, msg, out)
             case FlipBegin():
                 self.paused_by.add(msg.flip_id)
+                self.quiesce_pending.add(msg.flip_id)
                 self.retract_all_pending = self.retract_all_pending or msg.retract
                 out.append(AdmissionPaused(msg.flip_id, len(self.running), len(self.waiting)))
             case FlipCutover():
                 self.version = msg.version
             case FlipDone():
                 self.paused_by.discard(msg.flip_id)
+                self.quiesce_pending.discard(msg.flip_id)
                 self.version = msg.version
             case Shutdown():
                 self.draining = True
@@ -207,6 +211,10 @@ class SchedulerCore:
         if self._boundary:
             out.append(self.census())
             self._boundary = False
+        if self.quiesce_pending and not (self.running or self.in_flight or self.ending):
+            for flip_id in sorted(self.quiesce_pending):
+                out.append(FlipQuiesced(flip_id, len(self.waiting)))
+            self.quiesce_pending.clear()
         return out
 
     def census(self) -> SchedulerCensus:

@@ -27,7 +27,15 @@ from shunter.bus.messages.cache import (
     SequenceReleased,
     TreeDropped,
 )
-from shunter.bus.messages.flip import AdmissionPaused, FlipBegin, FlipCutover, FlipDone
+from shunter.bus.messages.flip import (
+    AdmissionPaused,
+    FlipBegin,
+    FlipCutover,
+    FlipDone,
+    FlipQuiesced,
+    UpdateWeights,
+    WeightsUpdated,
+)
 from shunter.bus.messages.health import (
     ActorDied,
     BusGap,
@@ -76,8 +84,8 @@ ALL_MESSAGES: tuple[type[Msg], ...] = (
     TreeDropped, BlockStored, BlockRemoved, AllBlocksCleared,
     ForwardBatch, StepResult, TokensOut, Tick, SchedulerStats, SchedulerConfigured,
     SpillPages, PagesSpilled, LoadPages, PagesLoaded,
-    FlipBegin, AdmissionPaused, FlipCutover, FlipDone,
-    Ready, Heartbeat, HealthPing, HealthPong, ActorDied, Shutdown, BusGap, DecodeFailed,
+    FlipBegin, AdmissionPaused, FlipCutover, FlipDone, FlipQuiesced, UpdateWeights,
+    WeightsUpdated, Ready, Heartbeat, HealthPing, HealthPong, ActorDied, Shutdown, BusGap, DecodeFailed,
 )  # fmt: skip
 
 # Any message at all: what the recorder and `busctl` decode with.
@@ -91,11 +99,13 @@ __all__ = [
     "AllBlocksCleared", "AnyMessage", "BlockRemoved", "BlockStored", "BusGap", "Census",
     "CensusBroken", "ChatMessage", "ChunkCached", "DecodeFailed", "DetokenizeQuery",
     "DetokenizeReply", "DropTree", "Envelope",
-    "FinishReason", "FlipBegin", "FlipCutover", "FlipDone", "ForwardBatch", "FreeRefused",
+    "FinishReason", "FlipBegin", "FlipCutover", "FlipDone", "FlipQuiesced", "ForwardBatch",
+    "FreeRefused",
     "GenerateRequest", "HealthPing", "HealthPong", "Heartbeat", "LeaseGranted",
     "LeaseRequest", "LeaseReturned", "LoadPages", "Matched", "Msg", "PagesLoaded",
     "PagesSpilled", "Ready", "RefreshMatch", "RequestFailed", "RequestOutput", "RowOpen",
     "SamplingParams", "SchedulerCensus", "SchedulerConfigured", "SchedulerStats", "SequenceReleased", "Shutdown",
     "SpillPages", "StepResult", "TextDelta", "TextDeltas", "Tick", "TokenizeQuery", "TokenizeReply",
-    "Tokenized", "TokensOut", "TopLogprob", "TreeDropped", "topic_of",
+    "Tokenized", "TokensOut", "TopLogprob", "TreeDropped", "UpdateWeights", "WeightsUpdated",
+    "topic_of",
 ]  # fmt: skip

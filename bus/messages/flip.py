@@ -31,3 +31,26 @@ class FlipDone(Msg, tag="flip.done"):
     version: int
     ok: bool
     message: str = ""
+
+
+class FlipQuiesced(Msg, tag="flip.quiesced"):
+    """Scheduler: while this flip holds admission, nothing runs and no batch is in
+    flight any more (its running requests finished, or were retracted). Sent once."""
+
+    flip_id: str
+    num_waiting: int
+
+
+class UpdateWeights(Msg, tag="flip.weights"):
+    """To the executor, once quiesced: load this checkpoint (same architecture and
+    shapes) into the live weights. Answered by WeightsUpdated."""
+
+    flip_id: str
+    model_path: str
+    load_format: str = "auto"
+
+
+class WeightsUpdated(Msg, tag="flip.weights.done"):
+    flip_id: str
+    ok: bool
+    message: str = ""  # why it failed (the old weights are still served), or what loaded

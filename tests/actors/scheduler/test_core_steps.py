@@ -16,8 +16,10 @@ from shunter.actors.scheduler.core import SchedulerCore
 from shunter.bus.messages import (
     LAST_SAMPLED,
     AbortRequest,
+    AdmissionPaused,
     FlipBegin,
     FlipDone,
+    FlipQuiesced,
     ForwardBatch,
     LeaseGranted,
     LeaseRequest,
@@ -167,6 +169,32 @@ def test_a_prompt_scored_without_generating_runs_its_prefill_and_ends():
     (rel,) = of(out, SequenceReleased)
     assert rel.token_ids == list(range(100, 110)) and rel.reason == "finished"
     assert not f.core.running and f.core.statistics().num_finished == 2
+
+
+def test_a_flip_holds_admission_and_says_when_nothing_runs():
+    """FlipBegin pauses admission (AdmissionPaused with the counts); FlipQuiesced goes
+    out once, when the running requests have finished (drain) or been retracted
+    (retract=True) and no batch is in flight; FlipDone lets the waiting ones in."""
+    f = Feeder()
+    b = f.batch(f.send(matched("run", range(5), max_new=2)))
+    (paused,) = of(f.send(FlipBegin("w1", "update_weights")), AdmissionPaused)
+    assert (paused.num_running, paused.num_waiting) == (1, 0)
+    assert f.batch(f.send(matched("wait", range(10, 15)))) is None  # held back
+    out = f.step(b)  # "run" decodes its last token ...
+    assert not of(out, FlipQuiesced)
+    out = f.step(f.batch(out))  # ... and finishes
+    (q,) = of(out, FlipQuiesced)
+    assert q.flip_id == "w1" and q.num_waiting == 1 and not f.core.running
+    assert not of(f.send(Tick(5)), FlipQuiesced)  # once
+    b = f.batch(f.send(FlipDone("w1", 1, True)))
+    assert admitted(b) == ["wait"] and b.version == 1
+    # retract: the running request goes back to waiting, and it is quiesced at once
+    out = f.send(FlipBegin("w2", "update_weights", retract=True))
+    assert not of(out, FlipQuiesced)  # "wait"'s prefill is in flight
+    out = f.send(StepResult(b.step_id, [b.rows[0]], [7]))
+    assert [r.reason for r in of(out, SequenceReleased)] == ["retracted"]
+    (q,) = of(out, FlipQuiesced)
+    assert q.flip_id == "w2" and not f.core.running and "wait" in f.core.retracted
 
 
 def test_ticks_publish_load_statistics():

@@ -1,0 +1,116 @@
+"""Flips driven from the gateway: new weights from disk (`/update_weights_from_disk`).
+
+Theory of operation: a flip is a sequence of bus events, each answered by the actor that
+owns the state it changes, and the gateway only sequences them:
+
+    FlipBegin            -> scheduler: admission paused      (AdmissionPaused)
+    ... running requests finish (or are retracted, or aborted by the caller) ...
+                         <- scheduler: nothing runs          (FlipQuiesced)
+    UpdateWeights        -> executor: checkpoint copied in   (WeightsUpdated)
+    DropTree             -> cache manager: the prefix cache, computed with the old
+                            weights, dropped, locked rows included (TreeDropped)
+    FlipDone             -> scheduler: admission resumes under the new version
+
+Every message carries the flip id, so `busctl tail -t flip.` shows the whole cutover.
+Requests that arrive meanwhile wait in the scheduler's queue and run on the new
+weights; a waiting request whose cached prefix was dropped matches again first. A
+checkpoint the executor refuses (not found, another shape) leaves the old weights and
+the cache as they were, and the flip still ends (FlipDone with ok false), so admission
+never stays paused. One flip runs at a time.
+
+Invariants: FlipDone is published once FlipBegin was, whatever happened between
+(timeout, refusal, cancellation of the HTTP request).
+"""
+
+from __future__ import annotations
+
+import math
+
+import anyio
+import msgspec
+
+from shunter.bus.messages import (
+    AdmissionPaused,
+    DropTree,
+    FlipBegin,
+    FlipDone,
+    FlipQuiesced,
+    TreeDropped,
+    UpdateWeights,
+    WeightsUpdated,
+)
+from shunter.bus.transport import Bus
+from shunter.gateway.errors import APIError
+
+
+class FlipOutcome(msgspec.Struct, frozen=True):
+    ok: bool
+    message: str
+    num_paused_requests: int  # running when admission paused (drained or retracted)
+    version: int
+
+
+class Flips:
+    """The gateway's flip driver: the weights version it has cut over to, and a lock
+    so that flips do not overlap."""
+
+    def __init__(self, bus: Bus, *, load_timeout_s: float) -> None:
+        self.bus = bus
+        self.load_timeout_s = load_timeout_s
+        self.version = 0
+        self.weight_version = "default"  # what /get_model_info reports
+        self.model_path: str | None = None  # the checkpoint now served, once updated
+        self._lock = anyio.Lock()
+
+    async def update_weights(
+        self,
+        flip_id: str,
+        model_path: str,
+        load_format: str = "auto",
+        *,
+        weight_version: str | None = None,
+        retract: bool = False,
+        drain_timeout_s: float | None = None,
+    ) -> FlipOutcome:
+        """Run one weights flip (see the module docstring). APIError 409 while another
+        flip runs; 504 when a stage does not answer in time (the flip is ended)."""
+        if self._lock.locked():
+            raise APIError(409, "another flip is in progress; retry when it is done")
+        async with self._lock:
+            types = (AdmissionPaused, FlipQuiesced, WeightsUpdated, TreeDropped)
+            async with self.bus.subscribe(types=types) as sub:
+                params = {"model_path": model_path, "load_format": load_format}
+                await self.bus.publish(FlipBegin(flip_id, "update_weights", params, retract))
+                ok, message, num_paused = False, "", 0
+                try:
+                    paused = await self._next(sub, flip_id, AdmissionPaused, self.load_timeout_s)
+                    num_paused = paused.num_running
+                    wait = math.inf if drain_timeout_s is None else drain_timeout_s
+                    await self._next(sub, flip_id, FlipQuiesced, wait, "drain")
+                    await self.bus.publish(UpdateWeights(flip_id, model_path, load_format))
+                    done = await self._next(sub, flip_id, WeightsUpdated, self.load_timeout_s)
+                    ok, message = done.ok, done.message
+                    if ok:
+                        await self.bus.publish(DropTree(flip_id, include_locked=True))
+                        dropped = await self._next(sub, flip_id, TreeDropped, self.load_timeout_s)
+                        if not dropped.ok:  # nothing copies KV here; say so if one did
+                            message += f" (prefix cache not dropped: {dropped.reason})"
+                        self.version += 1
+                        self.model_path = model_path
+                        self.weight_version = weight_version or f"v{self.version}"
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await self.bus.publish(FlipDone(flip_id, self.version, ok, message))
+        return FlipOutcome(ok, message, num_paused, self.version)
+
+    async def _next(self, sub, flip_id: str, kind: type, timeout_s: float, stage: str = ""):
+        """The next `kind` message of this flip."""
+        with anyio.move_on_after(timeout_s) as scope:
+            async for received in sub:
+                msg = received.msg
+                if isinstance(msg, kind) and msg.flip_id == flip_id:  # type: ignore[attr-defined]
+                    return msg
+        if scope.cancelled_caught:
+            what = stage or kind.__name__
+            raise APIError(504, f"flip {flip_id}: no {what} in {timeout_s:g} s", code="timeout")
+        raise APIError(503, "the bus closed during the flip")

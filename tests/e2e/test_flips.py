@@ -1,0 +1,101 @@
+"""Weights flips against the real server (gateway/flips.py): /update_weights_from_disk
+with the served checkpoint itself (so the shared server's outputs stay what the other
+tests expect), with a running request that drains or is retracted, and with a
+checkpoint that cannot be loaded."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+
+import pytest
+
+
+def post(server, path, body, timeout_s=300.0):
+    req = urllib.request.Request(server.base_url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def greedy(server, text, max_new=8):
+    status, out = post(server, "/generate", {
+        "text": text, "sampling_params": {"max_new_tokens": max_new, "temperature": 0}})  # fmt: skip
+    assert status == 200, out
+    return out
+
+
+@pytest.fixture
+def served_path(server):
+    status, raw = server.get("/get_model_info")
+    assert status == 200
+    return json.loads(raw)["model_path"]
+
+
+def test_same_weights_flip_keeps_outputs_and_drops_the_cache(server, served_path):
+    text = "The weather today is sunny and the sky is"
+    before = greedy(server, text)
+    status, out = post(server, "/update_weights_from_disk",
+                       {"model_path": served_path, "weight_version": "step-1"})  # fmt: skip
+    assert status == 200 and out["success"] and out["num_paused_requests"] == 0, out
+    info = json.loads(server.get("/get_model_info")[1])
+    assert info["weight_version"] == "step-1" and info["model_path"] == served_path
+    after = greedy(server, text)
+    assert after["output_ids"] == before["output_ids"]
+    assert after["meta_info"]["cached_tokens"] == 0  # the prefix cache went with the flip
+
+
+@pytest.mark.parametrize("retract", [False, True], ids=["drain", "retract"])
+def test_a_running_request_finishes_across_a_flip(server, served_path, retract):
+    """A request streaming when the flip starts: drain waits for it; retract puts it
+    back in the queue and recomputes it after the cutover. Either way the client gets
+    every token, the same as without a flip."""
+    reference = greedy(server, "Once upon a time", max_new=48)["output_ids"]
+    body = json.dumps({"text": "Once upon a time", "stream": True,
+                       "sampling_params": {"max_new_tokens": 48, "temperature": 0}}).encode()  # fmt: skip
+    req = urllib.request.Request(server.base_url + "/generate", data=body,
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    flip = {}
+    with urllib.request.urlopen(req, timeout=300) as stream:
+        first = stream.readline()  # a token is out: the request runs
+        assert first.startswith(b"data: {")
+        t = threading.Thread(target=lambda: flip.update(out=post(
+            server, "/update_weights_from_disk", {"model_path": served_path, "retract": retract})))  # fmt: skip
+        t.start()
+        events = [first.decode(), *stream.read().decode().split("\n\n")]
+    t.join(300)
+    status, out = flip["out"]
+    assert status == 200 and out["success"] and out["num_paused_requests"] == 1, out
+    last = json.loads([e for e in events if e.strip().startswith("data: {")][-1].strip()[6:])
+    assert (
+        last["output_ids"] == reference and last["meta_info"]["finish_reason"]["type"] == "length"
+    )
+
+
+def test_a_checkpoint_that_cannot_load_keeps_the_old_weights(server, tmp_path):
+    text = "A short test sentence"
+    before = greedy(server, text)
+    status, out = post(server, "/update_weights_from_disk",
+                       {"model_path": str(tmp_path / "missing")})  # fmt: skip
+    assert status == 400 and not out["success"] and "cannot load" in out["message"], out
+    assert greedy(server, text)["output_ids"] == before["output_ids"]
+    status, out = post(server, "/update_weights_from_disk", {"model_path": ""})
+    assert status == 400 and "model_path" in out["error"]["message"]
+
+
+def test_a_drain_that_times_out_ends_the_flip_and_admits_again(server, served_path):
+    body = json.dumps({"text": "Tell me a long story", "stream": True,
+                       "sampling_params": {"max_new_tokens": 160, "ignore_eos": True}}).encode()  # fmt: skip
+    req = urllib.request.Request(server.base_url + "/generate", data=body,
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=300) as stream:
+        assert stream.readline().startswith(b"data: {")  # it runs
+        status, out = post(server, "/update_weights_from_disk",
+                           {"model_path": served_path, "timeout": 0.3})  # fmt: skip
+        assert status == 504 and "drain" in out["error"]["message"], out
+        assert greedy(server, "Still serving?", max_new=2)["meta_info"]["completion_tokens"] == 2
+        stream.read()

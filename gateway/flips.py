@@ -19,7 +19,12 @@ the cache as they were, and the flip still ends (FlipDone with ok false), so adm
 never stays paused. One flip runs at a time.
 
 Invariants: FlipDone is published once FlipBegin was, whatever happened between
-(timeout, refusal, cancellation of the HTTP request).
+(timeout, refusal, cancellation of the HTTP request). The drain may be cancelled (the
+caller left, or its timeout passed); from UpdateWeights on the flip is shielded and
+runs to its end, each stage bounded by the load timeout. An executor that answers
+after that timeout may still copy the weights in; the flip then reports failure
+although they changed (and the prefix cache was kept): a load timeout must exceed a
+checkpoint's load time.
 """
 
 from __future__ import annotations
@@ -87,21 +92,31 @@ class Flips:
                     num_paused = paused.num_running
                     wait = math.inf if drain_timeout_s is None else drain_timeout_s
                     await self._next(sub, flip_id, FlipQuiesced, wait, "drain")
-                    await self.bus.publish(UpdateWeights(flip_id, model_path, load_format))
-                    done = await self._next(sub, flip_id, WeightsUpdated, self.load_timeout_s)
-                    ok, message = done.ok, done.message
+                    # Once the weights start to change, the flip runs to its end even if
+                    # the caller goes away: the cache must not outlive the old weights.
+                    with anyio.CancelScope(shield=True):
+                        ok, message = await self._cutover(sub, flip_id, model_path, load_format)
                     if ok:
-                        await self.bus.publish(DropTree(flip_id, include_locked=True))
-                        dropped = await self._next(sub, flip_id, TreeDropped, self.load_timeout_s)
-                        if not dropped.ok:  # nothing copies KV here; say so if one did
-                            message += f" (prefix cache not dropped: {dropped.reason})"
-                        self.version += 1
-                        self.model_path = model_path
                         self.weight_version = weight_version or f"v{self.version}"
                 finally:
                     with anyio.CancelScope(shield=True):
                         await self.bus.publish(FlipDone(flip_id, self.version, ok, message))
         return FlipOutcome(ok, message, num_paused, self.version)
+
+    async def _cutover(self, sub, flip_id: str, model_path: str, load_format: str):
+        """New weights into the executor, then the prefix cache dropped: (ok, message)."""
+        await self.bus.publish(UpdateWeights(flip_id, model_path, load_format))
+        done = await self._next(sub, flip_id, WeightsUpdated, self.load_timeout_s)
+        if not done.ok:
+            return False, done.message
+        await self.bus.publish(DropTree(flip_id, include_locked=True))
+        dropped = await self._next(sub, flip_id, TreeDropped, self.load_timeout_s)
+        message = done.message
+        if not dropped.ok:  # nothing copies KV here; say so if something did
+            message += f" (prefix cache not dropped: {dropped.reason})"
+        self.version += 1
+        self.model_path = model_path
+        return True, message
 
     async def _next(self, sub, flip_id: str, kind: type, timeout_s: float, stage: str = ""):
         """The next `kind` message of this flip."""

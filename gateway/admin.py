@@ -14,6 +14,10 @@
   the queue, `retract`), then the checkpoint is copied into the live weights and the
   prefix cache dropped. 200 `{"success": true, ...}`; 400 with the reason when the
   checkpoint is refused (the old weights keep serving).
+- /pause_generation (admin): `{"mode": "abort" | "retract" | "in_place" | "drain"}`
+  (SGLang's, default abort; in_place is served as retract); returns once nothing runs
+  (requests ended, back in the queue, or finished); new requests wait.
+  /continue_generation (admin) lets them all go on.
 """
 
 from __future__ import annotations
@@ -178,3 +182,43 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     reply = {"success": out.ok, "message": out.message,
              "num_paused_requests": out.num_paused_requests}  # fmt: skip
     return json_response(reply, status=200 if out.ok else 400)
+
+
+class PauseBody(msgspec.Struct, kw_only=True):
+    # SGLang's modes: "abort" ends every request; "retract" (and "in_place", which is
+    # served the same way: the requests go on afterwards as they would have) puts the
+    # running ones back in the queue; and "drain" lets them finish first
+    mode: str = "abort"
+    timeout: float | None = None  # seconds to wait for them to stop
+
+
+@routes.post("/pause_generation")
+async def pause_generation(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    body = decode_body(await read_body(request) or b"{}", PauseBody)
+    ctx.engine.check_available()
+    if body.mode not in ("abort", "retract", "in_place", "drain"):
+        raise bad_request(f"mode must be abort, retract, in_place or drain, got {body.mode!r}",
+                          param="mode")  # fmt: skip
+    if body.timeout is not None and not body.timeout > 0:
+        raise bad_request("timeout must be > 0 seconds", param="timeout")
+    flips, flip_id = ctx.engine.flips, new_id("pause-")
+    flips.claim_pause(flip_id)  # before any abort: a second pause changes nothing
+    if body.mode == "abort":
+        try:
+            for rid in sorted({s.request_id for s in ctx.engine.streams.values()}):
+                await ctx.engine.abort_id(rid, "admin")
+        except BaseException:
+            flips.paused = None
+            raise
+    retract = body.mode in ("retract", "in_place")
+    num = await flips.pause(flip_id, retract=retract, timeout_s=body.timeout)
+    return json_response({"success": True, "num_paused_requests": num})
+
+
+@routes.post("/continue_generation")
+async def continue_generation(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    if not await ctx.engine.flips.resume():
+        raise bad_request("generation is not paused")
+    return json_response({"success": True})

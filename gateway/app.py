@@ -5,7 +5,8 @@ Routes (SGLang's and OpenAI's paths):
     POST /v1/tokenize, /v1/detokenize                                  (openai_api.py)
     POST /generate                                                     (native_api.py)
     GET /health, /health_generate, /get_model_info, /get_server_info, /metrics;
-    POST /flush_cache, /abort_request, /update_weights_from_disk (admin) (admin.py)
+    POST /flush_cache, /abort_request, /update_weights_from_disk, /pause_generation,
+    /continue_generation (admin)                                       (admin.py)
 
 Auth: with an api key set, every endpoint requires `Authorization: Bearer <key>`;
 admin endpoints require the admin key when one is set. Errors are OpenAI-style bodies
@@ -38,7 +39,8 @@ from shunter.gateway.validation import Limits
 log = structlog.get_logger(actor="gateway")
 json_encoder = msgspec.json.Encoder()
 
-ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request", "/update_weights_from_disk"})
+ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request", "/update_weights_from_disk",
+                         "/pause_generation", "/continue_generation"})  # fmt: skip
 
 
 class Ctx:

@@ -1,4 +1,5 @@
-"""Flips driven from the gateway: new weights from disk (`/update_weights_from_disk`).
+"""Flips driven from the gateway: new weights from disk (`/update_weights_from_disk`),
+and a pause of generation (`/pause_generation` ... `/continue_generation`).
 
 Theory of operation: a flip is a sequence of bus events, each answered by the actor that
 owns the state it changes, and the gateway only sequences them:
@@ -16,7 +17,9 @@ Requests that arrive meanwhile wait in the scheduler's queue and run on the new
 weights; a waiting request whose cached prefix was dropped matches again first. A
 checkpoint the executor refuses (not found, another shape) leaves the old weights and
 the cache as they were, and the flip still ends (FlipDone with ok false), so admission
-never stays paused. One flip runs at a time.
+never stays paused. One weights flip runs at a time. A pause is a flip of kind "pause"
+that stays open (FlipBegin, FlipQuiesced) until continued (FlipDone); a weights flip
+may run inside it, as a trainer syncing weights does.
 
 Invariants: FlipDone is published once FlipBegin was, whatever happened between
 (timeout, refusal, cancellation of the HTTP request). The drain may be cancelled (the
@@ -65,7 +68,41 @@ class Flips:
         self.version = 0
         self.weight_version = "default"  # what /get_model_info reports
         self.model_path: str | None = None  # the checkpoint now served, once updated
+        self.paused: str | None = None  # the flip id of /pause_generation, until continued
         self._lock = anyio.Lock()
+
+    async def pause(self, flip_id: str, *, retract: bool, timeout_s: float | None) -> int:
+        """Hold admission until `resume` (SGLang's /pause_generation): returns once
+        nothing runs, the running requests having finished (retract False) or gone back
+        to the queue (retract True); how many were running. APIError 400 when paused
+        already; 504 (and not paused) when they do not stop in time."""
+        self.claim_pause(flip_id)
+        try:
+            async with self.bus.subscribe(types=(AdmissionPaused, FlipQuiesced)) as sub:
+                await self.bus.publish(FlipBegin(flip_id, "pause", {}, retract))
+                paused = await self._next(sub, flip_id, AdmissionPaused, self.load_timeout_s)
+                wait = math.inf if timeout_s is None else timeout_s
+                await self._next(sub, flip_id, FlipQuiesced, wait, "drain")
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.resume()
+            raise
+        return paused.num_running
+
+    def claim_pause(self, flip_id: str) -> None:
+        """Mark generation paused by `flip_id` (pause() then holds it); APIError 400 when
+        another pause holds it. No await: a check and its claim cannot be split."""
+        if self.paused not in (None, flip_id):
+            raise APIError(400, f"generation is paused already ({self.paused})")
+        self.paused = flip_id
+
+    async def resume(self) -> bool:
+        """End the pause (/continue_generation); False when not paused."""
+        flip_id, self.paused = self.paused, None
+        if flip_id is None:
+            return False
+        await self.bus.publish(FlipDone(flip_id, self.version, True, "continued"))
+        return True
 
     async def update_weights(
         self,

@@ -29,6 +29,23 @@ def greedy(server, text, max_new=8):
     return out
 
 
+def stream_running(server, text, sampling):
+    """A streamed /generate whose first event has arrived (so the request runs): the
+    open response, positioned after that event."""
+    body = json.dumps({"text": text, "stream": True, "sampling_params": sampling}).encode()
+    req = urllib.request.Request(server.base_url + "/generate", data=body,
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    stream = urllib.request.urlopen(req, timeout=300)
+    assert stream.readline().startswith(b"data: {")
+    return stream
+
+
+def last_event(stream) -> dict:
+    """The rest of a stream read to its end: its last JSON event."""
+    events = [e.strip() for e in stream.read().decode().split("\n\n")]
+    return json.loads([e for e in events if e.startswith("data: {")][-1][6:])
+
+
 @pytest.fixture
 def served_path(server):
     status, raw = server.get("/get_model_info")
@@ -55,22 +72,15 @@ def test_a_running_request_finishes_across_a_flip(server, served_path, retract):
     back in the queue and recomputes it after the cutover. Either way the client gets
     every token, the same as without a flip."""
     reference = greedy(server, "Once upon a time", max_new=48)["output_ids"]
-    body = json.dumps({"text": "Once upon a time", "stream": True,
-                       "sampling_params": {"max_new_tokens": 48, "temperature": 0}}).encode()  # fmt: skip
-    req = urllib.request.Request(server.base_url + "/generate", data=body,
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
     flip = {}
-    with urllib.request.urlopen(req, timeout=300) as stream:
-        first = stream.readline()  # a token is out: the request runs
-        assert first.startswith(b"data: {")
+    with stream_running(server, "Once upon a time", {"max_new_tokens": 48, "temperature": 0}) as s:
         t = threading.Thread(target=lambda: flip.update(out=post(
             server, "/update_weights_from_disk", {"model_path": served_path, "retract": retract})))  # fmt: skip
         t.start()
-        events = [first.decode(), *stream.read().decode().split("\n\n")]
+        last = last_event(s)
     t.join(300)
     status, out = flip["out"]
     assert status == 200 and out["success"] and out["num_paused_requests"] == 1, out
-    last = json.loads([e for e in events if e.strip().startswith("data: {")][-1].strip()[6:])
     assert (
         last["output_ids"] == reference and last["meta_info"]["finish_reason"]["type"] == "length"
     )
@@ -88,14 +98,44 @@ def test_a_checkpoint_that_cannot_load_keeps_the_old_weights(server, tmp_path):
 
 
 def test_a_drain_that_times_out_ends_the_flip_and_admits_again(server, served_path):
-    body = json.dumps({"text": "Tell me a long story", "stream": True,
-                       "sampling_params": {"max_new_tokens": 160, "ignore_eos": True}}).encode()  # fmt: skip
-    req = urllib.request.Request(server.base_url + "/generate", data=body,
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
-    with urllib.request.urlopen(req, timeout=300) as stream:
-        assert stream.readline().startswith(b"data: {")  # it runs
+    sampling = {"max_new_tokens": 160, "ignore_eos": True}
+    with stream_running(server, "Tell me a long story", sampling) as s:
         status, out = post(server, "/update_weights_from_disk",
                            {"model_path": served_path, "timeout": 0.3})  # fmt: skip
         assert status == 504 and "drain" in out["error"]["message"], out
         assert greedy(server, "Still serving?", max_new=2)["meta_info"]["completion_tokens"] == 2
-        stream.read()
+        s.read()
+
+
+def test_pause_update_continue_as_a_trainer_syncs_weights(server, served_path):
+    """Pause (running requests back in the queue), new weights, continue: the request
+    streaming across it ends with every token; one sent while paused waits and runs."""
+    reference = greedy(server, "Once upon a time", max_new=32)["output_ids"]
+    late = {}
+    with stream_running(server, "Once upon a time", {"max_new_tokens": 32, "temperature": 0}) as s:
+        status, out = post(server, "/pause_generation", {"mode": "retract"})
+        assert status == 200 and out["num_paused_requests"] == 1, out
+        assert post(server, "/pause_generation", {})[0] == 400  # paused already
+        waiter = threading.Thread(target=lambda: late.update(out=greedy(server, "Hello", 2)))
+        waiter.start()
+        waiter.join(1.0)
+        assert waiter.is_alive()  # held back while paused
+        status, out = post(server, "/update_weights_from_disk", {"model_path": served_path})
+        assert status == 200 and out["success"] and out["num_paused_requests"] == 0, out
+        assert post(server, "/continue_generation", {}) == (200, {"success": True})
+        last = last_event(s)
+    waiter.join(300)
+    assert last["output_ids"] == reference and late["out"]["meta_info"]["completion_tokens"] == 2
+    assert post(server, "/continue_generation", {})[0] == 400  # not paused
+    assert post(server, "/pause_generation", {"mode": "sideways"})[0] == 400
+
+
+def test_pause_by_default_aborts_what_runs(server):
+    """SGLang's default mode: every request ends (finish_reason abort) and new ones wait
+    for /continue_generation."""
+    with stream_running(server, "Count slowly", {"max_new_tokens": 200, "ignore_eos": True}) as s:
+        status, out = post(server, "/pause_generation", {})
+        assert status == 200 and out["success"], out
+        assert last_event(s)["meta_info"]["finish_reason"]["type"] == "abort"
+    assert post(server, "/continue_generation", {})[0] == 200
+    assert greedy(server, "Back again", 2)["meta_info"]["completion_tokens"] == 2

@@ -4,6 +4,7 @@ nothing."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -72,3 +73,30 @@ def test_a_checkpoint_that_does_not_fit_changes_nothing(tiny_model_dir, tmp_path
         reload_weights(core, config, str(tiny_model_dir("llama3_tied_sharded")))
     now = model_tensors(core.runner.model)
     assert all(_equal(now[k], old[k]) for k in old)
+
+
+@pytest.mark.gpu
+def test_reloaded_weights_serve_through_the_captured_graphs(tiny_model_dir, tmp_path):
+    """On CUDA the decode graphs, captured with the old weights' addresses, compute with
+    the new weights after a reload: the same tokens as a core built from them."""
+    from tests.actors.executor.test_executor_pipeline import GREEDY, LS, Builder
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    src = tiny_model_dir("llama")
+    new = _perturbed_copy(src, tmp_path / "new")
+
+    def tokens(core) -> list[list[int]]:
+        b, opens = Builder(), [(r, f"r{r}", GREEDY, r) for r in range(2)]
+        out = [core.step(b.batch([(r, [5 + r, 6, 7]) for r in range(2)], opens=opens))]
+        out += [core.step(b.batch([(0, [LS]), (1, [LS])])) for _ in range(6)]
+        assert [r.error for r in out] == [None] * 7
+        return [r.token_ids for r in out]
+
+    config = ExecutorConfig(model_path=str(src), device="cuda", dtype="float32",
+                            max_total_tokens=256)  # fmt: skip
+    core = build_core(config)
+    assert core.runner.graphs is not None
+    reload_weights(core, config, str(new))
+    fresh = build_core(msgspec.structs.replace(config, model_path=str(new)))
+    assert tokens(core) == tokens(fresh)

@@ -81,6 +81,8 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # scheduling
     schedule_policy: str = "fcfs"
     max_running_requests: int | None = None
+    max_queued_requests: int | None = None
+    """Most requests waiting for admission; more fail with 503 at once. None: no bound."""
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int | None = None
     """None: chosen by the engine; -1 turns chunking off."""
@@ -181,6 +183,8 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("schedule_policy", ("--schedule-policy",), "scheduling", "waiting-queue order"),
     ("max_running_requests", ("--max-running-requests", "--max-num-seqs"), "scheduling",
      "most requests decoding at once (default: from the KV pool size)"),
+    ("max_queued_requests", ("--max-queued-requests",), "scheduling",
+     "most requests waiting for admission; more are refused with 503 (default: no bound)"),
     ("max_prefill_tokens", ("--max-prefill-tokens", "--max-prefill-num-token"), "scheduling",
      "token budget of one prefill batch (its first request is always admitted)"),
     ("chunked_prefill_size", ("--chunked-prefill-size",), "scheduling",
@@ -310,8 +314,9 @@ def _problems(a: ServerArgs) -> list[str]:
         out.append(f"{flag('port')}: must be a TCP port in 1..65535")
     if not a.host:
         out.append("--host: must not be empty")
-    at_least_one = ("max_running_requests", "max_prefill_tokens", "max_total_tokens",
-                    "context_length", "page_size", "stream_interval", "cuda_graph_max_bs")  # fmt: skip
+    at_least_one = ("max_running_requests", "max_queued_requests", "max_prefill_tokens",
+                    "max_total_tokens", "context_length", "page_size", "stream_interval",
+                    "cuda_graph_max_bs")  # fmt: skip
     for field in at_least_one:
         value = getattr(a, field)
         if value is not None and value < 1:

@@ -25,6 +25,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
     max_running_requests: int = 256
     """Upper bound on requests holding a row (prefilling or decoding) at once."""
+    max_queued_requests: int | None = None
+    """Most new requests waiting for admission; one more fails at once with 503 (SGLang's
+    --max-queued-requests: shed load rather than queue without end). None: no bound."""
     max_prefill_tokens: int = 16384
     """Token budget of the new (prefill/extend) work admitted in one step. The first
     request of a step is admitted even when it alone exceeds it."""
@@ -93,6 +96,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                      "lpm_max_queue", "lease_lookahead_steps", "in_batch_prefix_min_tokens"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests: must be >= 1, got {self.max_queued_requests}")
         for name in ("num_total_pages", "retract_decode_steps", "lease_max_surplus_pages",
                      "max_tombstones"):  # fmt: skip
             if getattr(self, name) < 0:
@@ -181,6 +186,7 @@ def from_server_args(
     min_ratio = min(MIN_NEW_TOKEN_RATIO * scale, init_ratio)
     fields: dict[str, Any] = dict(
         max_running_requests=running,
+        max_queued_requests=getattr(args, "max_queued_requests", None),
         max_prefill_tokens=getattr(args, "max_prefill_tokens", 16384),
         chunked_prefill_size=chunk,
         schedule_policy=getattr(args, "schedule_policy", "fcfs"),

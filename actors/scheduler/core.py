@@ -261,6 +261,12 @@ class SchedulerCore:
         elif self.draining:
             req.abort_reason = "shutdown"
             self._drop_waiting(req, out)
+        elif (limit := self.config.max_queued_requests) is not None and len(self.waiting) > limit:
+            out.append(RequestFailed(rid, "queue_full", f"the request queue is full ({limit} "
+                                     "waiting); retry later", 503))  # fmt: skip
+            req.abort_reason = "queue_full"
+            self._n["failed"] += 1
+            self._drop_waiting(req, out, emit=False)
         elif (problem := self._refuse_reason(req)) is not None:
             code, text = problem
             out.append(RequestFailed(rid, code, text, 400))

@@ -19,6 +19,7 @@ SAMPLE: dict[str, str | None] = {
     "device": "cpu", "context_length": "1024", "served_model_name": "m", "chat_template": "{{x}}",
     "random_seed": "7", "host": "0.0.0.0", "port": "31000", "api_key": "k", "admin_api_key": "a",
     "enable_metrics": None, "schedule_policy": "lpm", "max_running_requests": "8",
+    "max_queued_requests": "100",
     "max_prefill_tokens": "512", "chunked_prefill_size": "256", "disable_radix_cache": None,
     "disable_overlap_schedule": None, "stream_interval": "4", "max_total_tokens": "4096",
     "mem_fraction_static": "0.5", "page_size": "16", "cuda_graph_max_bs": "32",

@@ -17,6 +17,7 @@ from shunter.bus.messages import (
     FlipDone,
     ForwardBatch,
     RefreshMatch,
+    RequestFailed,
     SchedulerCensus,
     Tick,
     TreeDropped,
@@ -294,3 +295,15 @@ def test_short_or_cached_shares_do_not_defer():
     h.send(matched("b", [*shared, 2], max_new=3, logprob_start_len=0))
     (b,) = of(h.send(FlipDone("hold", 1, True)), ForwardBatch)
     assert admitted(b) == ["a", "b"]
+
+
+def test_a_full_queue_refuses_new_requests_with_503():
+    """max_queued_requests bounds the waiting queue: one more new request fails at once
+    (a retracted one coming back is not new, and always re-queues)."""
+    f = Feeder(max_running_requests=1, max_queued_requests=2)
+    f.send(matched("run", range(4), max_new=50))
+    for i in range(2):
+        assert not of(f.send(matched(f"w{i}", range(10 * i + 10, 10 * i + 14))), RequestFailed)
+    (fail,) = of(f.send(matched("w2", range(40, 44))), RequestFailed)
+    assert (fail.request_id, fail.code, fail.http_status) == ("w2", "queue_full", 503)
+    assert sorted(f.core.waiting) == ["w0", "w1"] and f.core.statistics().num_failed == 1

@@ -69,7 +69,7 @@ from shunter.actors.scheduler.batch import InFlight
 from shunter.actors.scheduler.config import SchedulerConfig
 from shunter.actors.scheduler.policy import SplitMix64, WaitingOrder
 from shunter.actors.scheduler.pool import LeasePool
-from shunter.actors.scheduler.req import PARKED, RETRACTED, RUNNING, WAITING, Req
+from shunter.actors.scheduler.req import PARKED, RETRACTED, RUNNING, WAITING, Req, refusal
 from shunter.actors.scheduler.results import apply_result
 from shunter.actors.scheduler.rows import RowAllocator
 from shunter.actors.scheduler.stats import SchedulerStatistics, on_tick, statistics
@@ -261,16 +261,10 @@ class SchedulerCore:
         elif self.draining:
             req.abort_reason = "shutdown"
             self._drop_waiting(req, out)
-        elif (limit := self.config.max_queued_requests) is not None and len(self.waiting) > limit:
-            out.append(RequestFailed(rid, "queue_full", f"the request queue is full ({limit} "
-                                     "waiting); retry later", 503))  # fmt: skip
-            req.abort_reason = "queue_full"
-            self._n["failed"] += 1
-            self._drop_waiting(req, out, emit=False)
-        elif (problem := self._refuse_reason(req)) is not None:
-            code, text = problem
-            out.append(RequestFailed(rid, code, text, 400))
-            req.abort_reason = "invalid"
+        elif (problem := refusal(req, self.config, len(self.waiting) - 1)) is not None:
+            code, text, status = problem
+            out.append(RequestFailed(rid, code, text, status))
+            req.abort_reason = code
             self._n["failed"] += 1
             self._drop_waiting(req, out, emit=False)
         elif req.sampling.max_new_tokens <= 0 and req.sampling.logprob_start_len < 0:
@@ -280,22 +274,6 @@ class SchedulerCore:
             self._release(req, "finished", out)
             del self.waiting[rid]
             self._n["finished"] += 1
-
-    def _refuse_reason(self, req: Req) -> tuple[str, str] | None:
-        cfg = self.config
-        n = len(req.all_ids)
-        if n == 0:
-            return "invalid_request", "the prompt is empty"
-        if n >= cfg.max_context_len:
-            return "context_length_exceeded", (
-                f"the prompt has {n} tokens; the context length is {cfg.max_context_len} "
-                "and at least one token must be generated"
-            )
-        if cfg.num_total_pages and -(-(n + 1) // cfg.page_size) > cfg.num_total_pages:
-            return "context_length_exceeded", (
-                f"the prompt needs more KV pages than the pool has ({cfg.num_total_pages})"
-            )
-        return None
 
     def _seed_for(self, m: Matched) -> int:
         if m.request.sampling.seed is not None:

@@ -16,7 +16,12 @@ Invariants
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from shunter.bus.messages import Matched, SamplingParams
+
+if TYPE_CHECKING:
+    from shunter.actors.scheduler.config import SchedulerConfig
 
 WAITING = "waiting"  # in the waiting queue, holding only its matched prefix
 RUNNING = "running"  # holds a row; prefilling (its row has not sampled yet) or decoding
@@ -140,3 +145,24 @@ class Req:
 
     def remaining_new_tokens(self) -> int:
         return max(0, self.sampling.max_new_tokens - self.num_output)
+
+
+def refusal(req: Req, cfg: SchedulerConfig, num_waiting: int) -> tuple[str, str, int] | None:
+    """(code, message, HTTP status) when a new request cannot be taken: an empty or too
+    long prompt (400), or a full queue (503, with num_waiting others waiting)."""
+    n = len(req.all_ids)
+    if n == 0:
+        return "invalid_request", "the prompt is empty", 400
+    if n >= cfg.max_context_len:
+        return "context_length_exceeded", (
+            f"the prompt has {n} tokens; the context length is {cfg.max_context_len} "
+            "and at least one token must be generated"
+        ), 400  # fmt: skip
+    if cfg.num_total_pages and -(-(n + 1) // cfg.page_size) > cfg.num_total_pages:
+        return "context_length_exceeded", (
+            f"the prompt needs more KV pages than the pool has ({cfg.num_total_pages})"
+        ), 400  # fmt: skip
+    limit = cfg.max_queued_requests
+    if limit is not None and num_waiting >= limit:
+        return "queue_full", f"the request queue is full ({limit} waiting); retry later", 503
+    return None

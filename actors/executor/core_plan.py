@@ -31,6 +31,7 @@ import torch
 from shunter.actors.executor.sampling import RowSampling, validate_params
 from shunter.actors.executor.slot_table import long_tensor
 from shunter.bus.messages import LAST_SAMPLED, ForwardBatch, TopLogprob
+from shunter.kernels.page_layout import to_device
 
 
 class Geometry(msgspec.Struct, frozen=True):
@@ -293,7 +294,7 @@ def prompt_logprobs(e: Entry, row: Row, logits: torch.Tensor) -> PromptScores:
     row.prompt_lp = None if e.sample else torch.log_softmax(logits[-1], dim=-1)
     chosen, vals, ids = [], [], []
     for lp, nxt in parts:
-        idx = torch.tensor(nxt, dtype=torch.int64).to(lp.device)
+        idx = to_device(torch.tensor(nxt, dtype=torch.int64), lp.device)  # no device wait
         chosen.append(lp.gather(1, idx.unsqueeze(1)).squeeze(1))
         if k > 0:
             v, i = lp.topk(k, dim=-1)

@@ -69,20 +69,28 @@ class Flips:
         self.weight_version = "default"  # what /get_model_info reports
         self.model_path: str | None = None  # the checkpoint now served, once updated
         self.paused: str | None = None  # the flip id of /pause_generation, until continued
+        self._pausing: anyio.CancelScope | None = None  # a pause waiting for the drain
         self._lock = anyio.Lock()
 
     async def pause(self, flip_id: str, *, retract: bool, timeout_s: float | None) -> int:
         """Hold admission until `resume` (SGLang's /pause_generation): returns once
         nothing runs, the running requests having finished (retract False) or gone back
         to the queue (retract True); how many were running. APIError 400 when paused
-        already; 504 (and not paused) when they do not stop in time."""
+        already; 504 (and not paused) when they do not stop in time; 409 when continued
+        before they did."""
         self.claim_pause(flip_id)
         try:
             async with self.bus.subscribe(types=(AdmissionPaused, FlipQuiesced)) as sub:
                 await self.bus.publish(FlipBegin(flip_id, "pause", {}, retract))
                 paused = await self._next(sub, flip_id, AdmissionPaused, self.load_timeout_s)
                 wait = math.inf if timeout_s is None else timeout_s
-                await self._next(sub, flip_id, FlipQuiesced, wait, "drain")
+                try:
+                    with anyio.CancelScope() as self._pausing:  # resume() may end the wait
+                        await self._next(sub, flip_id, FlipQuiesced, wait, "drain")
+                finally:
+                    self._pausing = None
+                if self.paused != flip_id:
+                    raise APIError(409, "generation was continued before it had paused")
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.resume()
@@ -97,10 +105,13 @@ class Flips:
         self.paused = flip_id
 
     async def resume(self) -> bool:
-        """End the pause (/continue_generation); False when not paused."""
+        """End the pause (/continue_generation), a pause still waiting for its drain
+        included; False when not paused."""
         flip_id, self.paused = self.paused, None
         if flip_id is None:
             return False
+        if self._pausing is not None:
+            self._pausing.cancel()
         await self.bus.publish(FlipDone(flip_id, self.version, True, "continued"))
         return True
 

@@ -139,3 +139,21 @@ def test_pause_by_default_aborts_what_runs(server):
         assert last_event(s)["meta_info"]["finish_reason"]["type"] == "abort"
     assert post(server, "/continue_generation", {})[0] == 200
     assert greedy(server, "Back again", 2)["meta_info"]["completion_tokens"] == 2
+
+
+def test_continue_while_a_pause_drains_ends_the_pause(server):
+    """A pause still waiting for running requests to finish is ended by a continue:
+    the pause answers 409 and nothing stays held back."""
+    pause = {}
+    with stream_running(server, "Count slowly", {"max_new_tokens": 120, "ignore_eos": True}) as s:
+        t = threading.Thread(target=lambda: pause.update(
+            out=post(server, "/pause_generation", {"mode": "drain"})))  # fmt: skip
+        t.start()
+        t.join(0.5)
+        assert t.is_alive()  # draining
+        assert post(server, "/continue_generation", {}) == (200, {"success": True})
+        t.join(60)
+        assert last_event(s)["meta_info"]["finish_reason"]["type"] == "length"
+    status, out = pause["out"]
+    assert status == 409 and "continued" in out["error"]["message"], out
+    assert greedy(server, "Not held", 2)["meta_info"]["completion_tokens"] == 2

@@ -145,13 +145,17 @@ async def abort_request(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     body = decode_body(await read_body(request), AbortBody)
     if body.abort_all:
-        rids = sorted({s.request_id for s in ctx.engine.streams.values()})
+        found = await ctx.engine.abort_all("admin")
     elif body.rid:
-        rids = [body.rid]
+        found = [body.rid] if await ctx.engine.abort_id(body.rid, "admin") else []
     else:
         raise bad_request("give rid or abort_all", param="rid")
-    found = [rid for rid in rids if await ctx.engine.abort_id(rid, "admin")]
     return json_response({"success": True, "num_aborted": len(found), "aborted": found})
+
+
+def _check_timeout(timeout: float | None) -> None:
+    if timeout is not None and not timeout > 0:
+        raise bad_request("timeout must be > 0 seconds", param="timeout")
 
 
 class UpdateWeightsBody(msgspec.Struct, kw_only=True):
@@ -170,11 +174,9 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     ctx.engine.check_available()
     if not body.model_path:
         raise bad_request("model_path must not be empty", param="model_path")
-    if body.timeout is not None and not body.timeout > 0:
-        raise bad_request("timeout must be > 0 seconds", param="timeout")
+    _check_timeout(body.timeout)
     if body.abort_all_requests:
-        for rid in sorted({s.request_id for s in ctx.engine.streams.values()}):
-            await ctx.engine.abort_id(rid, "admin")
+        await ctx.engine.abort_all("admin")
     out = await ctx.engine.flips.update_weights(
         new_id("flip-"), body.model_path, body.load_format, weight_version=body.weight_version,
         retract=body.retract, drain_timeout_s=body.timeout,
@@ -200,14 +202,12 @@ async def pause_generation(request: web.Request) -> web.Response:
     if body.mode not in ("abort", "retract", "in_place", "drain"):
         raise bad_request(f"mode must be abort, retract, in_place or drain, got {body.mode!r}",
                           param="mode")  # fmt: skip
-    if body.timeout is not None and not body.timeout > 0:
-        raise bad_request("timeout must be > 0 seconds", param="timeout")
+    _check_timeout(body.timeout)
     flips, flip_id = ctx.engine.flips, new_id("pause-")
     flips.claim_pause(flip_id)  # before any abort: a second pause changes nothing
     if body.mode == "abort":
         try:
-            for rid in sorted({s.request_id for s in ctx.engine.streams.values()}):
-                await ctx.engine.abort_id(rid, "admin")
+            await ctx.engine.abort_all("admin")
         except BaseException:
             flips.paused = None
             raise

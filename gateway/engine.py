@@ -299,6 +299,10 @@ class Engine:
         await self.abort(hits, reason)
         return bool(hits)
 
+    async def abort_all(self, reason: str) -> list[str]:
+        """Admin abort of every request in flight; the ids that were aborted."""
+        return [rid for rid in sorted(self.streams) if await self.abort_id(rid, reason)]
+
     async def tokenize(self, query: TokenizeQuery) -> TokenizeReply:
         self.check_available()
         return await self._query(query, TokenizeReply)

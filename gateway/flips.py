@@ -55,7 +55,6 @@ class FlipOutcome(msgspec.Struct, frozen=True):
     ok: bool
     message: str
     num_paused_requests: int  # running when admission paused (drained or retracted)
-    version: int
 
 
 class Flips:
@@ -79,23 +78,20 @@ class Flips:
         already; 504 (and not paused) when they do not stop in time; 409 when continued
         before they did."""
         self.claim_pause(flip_id)
+        self._pausing = anyio.CancelScope()  # resume() may end the drain
         try:
             async with self.bus.subscribe(types=(AdmissionPaused, FlipQuiesced)) as sub:
-                await self.bus.publish(FlipBegin(flip_id, "pause", {}, retract))
-                paused = await self._next(sub, flip_id, AdmissionPaused, self.load_timeout_s)
-                wait = math.inf if timeout_s is None else timeout_s
-                try:
-                    with anyio.CancelScope() as self._pausing:  # resume() may end the wait
-                        await self._next(sub, flip_id, FlipQuiesced, wait, "drain")
-                finally:
-                    self._pausing = None
-                if self.paused != flip_id:
-                    raise APIError(409, "generation was continued before it had paused")
+                begin = FlipBegin(flip_id, "pause", {}, retract)
+                num_running = await self._hold(sub, begin, timeout_s, self._pausing)
+            if self.paused != flip_id:
+                raise APIError(409, "generation was continued before it had paused")
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.resume()
             raise
-        return paused.num_running
+        finally:
+            self._pausing = None
+        return num_running
 
     def claim_pause(self, flip_id: str) -> None:
         """Mark generation paused by `flip_id` (pause() then holds it); APIError 400 when
@@ -133,25 +129,36 @@ class Flips:
             types = (AdmissionPaused, FlipQuiesced, WeightsUpdated, TreeDropped)
             async with self.bus.subscribe(types=types) as sub:
                 params = {"model_path": model_path, "load_format": load_format}
-                await self.bus.publish(FlipBegin(flip_id, "update_weights", params, retract))
+                begin = FlipBegin(flip_id, "update_weights", params, retract)
                 ok, message, num_paused = False, "", 0
                 try:
-                    paused = await self._next(sub, flip_id, AdmissionPaused, self.load_timeout_s)
-                    num_paused = paused.num_running
-                    wait = math.inf if drain_timeout_s is None else drain_timeout_s
-                    await self._next(sub, flip_id, FlipQuiesced, wait, "drain")
+                    num_paused = await self._hold(sub, begin, drain_timeout_s)
                     # Once the weights start to change, the flip runs to its end even if
                     # the caller goes away: the cache must not outlive the old weights.
                     with anyio.CancelScope(shield=True):
-                        ok, message = await self._cutover(sub, flip_id, model_path, load_format)
-                    if ok:
-                        self.weight_version = weight_version or f"v{self.version}"
+                        ok, message = await self._cutover(
+                            sub, flip_id, model_path, load_format, weight_version
+                        )
                 finally:
                     with anyio.CancelScope(shield=True):
                         await self.bus.publish(FlipDone(flip_id, self.version, ok, message))
-        return FlipOutcome(ok, message, num_paused, self.version)
+        return FlipOutcome(ok, message, num_paused)
 
-    async def _cutover(self, sub, flip_id: str, model_path: str, load_format: str):
+    async def _hold(
+        self, sub, begin: FlipBegin, drain_timeout_s: float | None, drain_scope=None
+    ) -> int:
+        """Publish `begin` and wait until admission is paused and nothing runs (within
+        `drain_scope`, which a caller may cancel); how many requests were running."""
+        await self.bus.publish(begin)
+        paused = await self._next(sub, begin.flip_id, AdmissionPaused, self.load_timeout_s)
+        wait = math.inf if drain_timeout_s is None else drain_timeout_s
+        with drain_scope or anyio.CancelScope():
+            await self._next(sub, begin.flip_id, FlipQuiesced, wait, "drain")
+        return paused.num_running
+
+    async def _cutover(
+        self, sub, flip_id: str, model_path: str, load_format: str, weight_version: str | None
+    ) -> tuple[bool, str]:
         """New weights into the executor, then the prefix cache dropped: (ok, message)."""
         await self.bus.publish(UpdateWeights(flip_id, model_path, load_format))
         done = await self._next(sub, flip_id, WeightsUpdated, self.load_timeout_s)
@@ -164,6 +171,7 @@ class Flips:
             message += f" (prefix cache not dropped: {dropped.reason})"
         self.version += 1
         self.model_path = model_path
+        self.weight_version = weight_version or f"v{self.version}"
         return True, message
 
     async def _next(self, sub, flip_id: str, kind: type, timeout_s: float, stage: str = ""):

@@ -65,10 +65,8 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """A file path, or the template text itself."""
     random_seed: int | None = None
     """Seed of the per-request seeds drawn at the gateway; None draws one at start."""
-    trust_remote_code: bool = False
-    """Accepted for compatibility: no code from a model directory is ever run."""
-    revision: str | None = None
-    """Accepted for compatibility: models are read from local files only."""
+    trust_remote_code: bool = False  # accepted for compatibility: COMPAT_ONLY
+    revision: str | None = None  # accepted for compatibility: COMPAT_ONLY
     tokenizer_mode: str = "auto"
 
     # server
@@ -91,8 +89,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     stream_interval: int = 1
     schedule_conservativeness: float = 1.0
     """Scales the new-token reservation of admission (SGLang's init/min new token ratios)."""
-    enable_mixed_chunk: bool = False
-    """Accepted for compatibility: prefill chunks always share steps with decodes."""
+    enable_mixed_chunk: bool = False  # accepted for compatibility: COMPAT_ONLY
 
     # memory
     max_total_tokens: int | None = None
@@ -105,8 +102,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     attention_backend: str = "auto"
     decode_attention_backend: str = "auto"
     """Kernels of all-decode steps; auto: triton up to 256 entries under flashinfer (faster)."""
-    enable_torch_compile: bool = False
-    """Accepted for compatibility: the executor's kernels and CUDA graphs are its own."""
+    enable_torch_compile: bool = False  # accepted for compatibility: COMPAT_ONLY
 
     # parallelism
     tp_size: int = 1
@@ -123,8 +119,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """auto: console lines on a terminal, JSON lines otherwise."""
     log_requests: bool = False
     """Log every finished request at info level (ids, token counts, finish reason)."""
-    enable_cache_report: bool = False
-    """Accepted for compatibility: cached_tokens is always in the usage."""
+    enable_cache_report: bool = False  # accepted for compatibility: COMPAT_ONLY
     record_events: str | None = None
     """A directory: the bus recorder writes every message there."""
     bus_dir: str | None = None
@@ -153,6 +148,22 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         return msgspec.structs.asdict(self)
 
 
+# Options taken so that SGLang command lines run, with why each changes nothing here
+# (done already, or meaningless): `shunter serve` says so at start.
+COMPAT_ONLY = {
+    "trust_remote_code": "no code from a model directory is ever run",
+    "revision": "models are read from local files only",
+    "enable_mixed_chunk": "prefill chunks always share steps with decodes",
+    "enable_torch_compile": "the executor runs its own kernels and CUDA graphs",
+    "enable_cache_report": "cached_tokens is always in the usage",
+    "dist_init_addr": "one node serves alone",
+}
+
+
+def _compat(field: str) -> str:
+    return f"accepted for compatibility ({COMPAT_ONLY[field]})"
+
+
 # (field, flags, group, help). Types, choices and defaults come from ServerArgs itself.
 OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("model_path", ("--model-path", "--model"), "model",
@@ -170,9 +181,9 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("chat_template", ("--chat-template",), "model", "chat template file or inline template"),
     ("random_seed", ("--random-seed", "--seed"), "model", "seed for request seeds"),
     ("trust_remote_code", ("--trust-remote-code",), "model",
-     "accepted for compatibility (no code from a model directory is ever run)"),
+     _compat("trust_remote_code")),
     ("revision", ("--revision",), "model",
-     "accepted for compatibility (models are read from local files only)"),
+     _compat("revision")),
     ("tokenizer_mode", ("--tokenizer-mode",), "model", "the HF fast tokenizer"),
 
     ("host", ("--host",), "server", "address to listen on"),
@@ -196,7 +207,7 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("schedule_conservativeness", ("--schedule-conservativeness",), "scheduling",
      "scales the output tokens admission reserves per request (larger: fewer retractions)"),
     ("enable_mixed_chunk", ("--enable-mixed-chunk",), "scheduling",
-     "accepted for compatibility (prefill chunks always share steps with decodes)"),
+     _compat("enable_mixed_chunk")),
     ("max_total_tokens", ("--max-total-tokens",), "memory", "KV pool size in tokens"),
     ("mem_fraction_static", ("--mem-fraction-static", "--gpu-memory-utilization"), "memory",
      "fraction of device memory for weights and KV pool"),
@@ -211,7 +222,7 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("decode_attention_backend", ("--decode-attention-backend",), "memory",
      "decode attention kernels (auto: triton for decode batches up to 256 under flashinfer)"),
     ("enable_torch_compile", ("--enable-torch-compile",), "memory",
-     "accepted for compatibility (the executor's kernels and CUDA graphs are its own)"),
+     _compat("enable_torch_compile")),
     ("tp_size", ("--tp-size", "--tensor-parallel-size", "--tp"), "parallelism",
      "tensor parallel size"),
     ("dp_size", ("--dp-size", "--data-parallel-size", "--dp"), "parallelism",
@@ -229,7 +240,7 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("log_requests", ("--log-requests", "--enable-log-requests"), "logging",
      "log every finished request (ids, token counts, finish reason, latency)"),
     ("enable_cache_report", ("--enable-cache-report",), "logging",
-     "accepted for compatibility (cached_tokens is always in the usage)"),
+     _compat("enable_cache_report")),
     ("record_events", ("--record-events",), "logging",
      "record every bus message into this directory (replay with busctl)"),
     ("bus_dir", ("--bus-dir",), "logging",
@@ -245,17 +256,6 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("start_timeout", ("--start-timeout",), "deployment",
      "seconds an actor may take to become ready (load its model)"),
 )  # fmt: skip
-
-# Options taken so that SGLang command lines run, with why each changes nothing here
-# (done already, or meaningless): `shunter serve` says so at start.
-COMPAT_ONLY = {
-    "trust_remote_code": "no code from a model directory is ever run",
-    "revision": "models are read from local files only",
-    "enable_mixed_chunk": "prefill chunks always share steps with decodes",
-    "enable_torch_compile": "the executor runs its own kernels and CUDA graphs",
-    "enable_cache_report": "cached_tokens is always in the usage",
-    "dist_init_addr": "one node serves alone",
-}
 
 # SGLang options for what this server does not do yet: given, each stops the start with
 # the reason (rather than argparse's "unrecognized arguments").

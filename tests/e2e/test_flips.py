@@ -157,3 +157,21 @@ def test_continue_while_a_pause_drains_ends_the_pause(server):
     status, out = pause["out"]
     assert status == 409 and "continued" in out["error"]["message"], out
     assert greedy(server, "Not held", 2)["meta_info"]["completion_tokens"] == 2
+
+
+def test_a_second_weights_flip_while_one_runs_gets_409(server, served_path):
+    """One weights flip at a time: while the first waits for a running request to
+    drain, a second answers 409 at once; the first then completes."""
+    first = {}
+    with stream_running(server, "Count slowly", {"max_new_tokens": 120, "ignore_eos": True}) as s:
+        t = threading.Thread(target=lambda: first.update(
+            out=post(server, "/update_weights_from_disk", {"model_path": served_path})))  # fmt: skip
+        t.start()
+        t.join(0.5)
+        assert t.is_alive()  # draining
+        status, out = post(server, "/update_weights_from_disk", {"model_path": served_path})
+        assert status == 409 and "another flip" in out["error"]["message"], out
+        assert last_event(s)["meta_info"]["finish_reason"]["type"] == "length"
+    t.join(300)
+    status, out = first["out"]
+    assert status == 200 and out["success"] and out["num_paused_requests"] == 1, out

@@ -2,15 +2,20 @@
 
 Input: `text` (a string or a batch of strings) or `input_ids` (a list of ids or a batch
 of lists), `sampling_params` (one dict for all, or one per input), `stream`,
-`return_logprob`, `logprob_start_len`, `top_logprobs_num`, `rid` (one, or one per
-input), `priority`. `sampling_params.n` > 1 expands an input into n requests.
+`return_logprob`, `logprob_start_len`, `top_logprobs_num`, `token_ids_logprob` (token
+ids whose logprobs every reported position also gives: one list, or one per input),
+`rid` (one, or one per input), `priority`. `sampling_params.n` > 1 expands an input
+into n requests.
 
 Output per request: `{"text", "output_ids", "meta_info": {"id", "finish_reason",
 "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency", ...logprobs}}`;
 a batch (or n > 1) answers a list. `finish_reason` is None while running, then
 `{"type": "stop", "matched": str | int}`, `{"type": "length", "length": n}` or
 `{"type": "abort"}`. Logprob entries are `[logprob, token_id, text]` (text only with
-`return_text_in_logprobs`, as in SGLang).
+`return_text_in_logprobs`, as in SGLang). With `return_logprob`, `token_ids_logprob`
+adds `output_token_ids_logprobs` (and `input_token_ids_logprobs` from
+`logprob_start_len`): per position, one entry per asked id, in the order asked. On the
+bus they ride in each position's top-logprob list, after its top tokens.
 
 Streaming sends `data: {...}\\n\\n` per delta with *cumulative* text and output_ids (as
 SGLang does by default), plus "index" in a batch, then `data: [DONE]\\n\\n`.
@@ -46,6 +51,7 @@ from shunter.gateway.validation import (
 )
 
 routes = web.RouteTableDef()
+MAX_TOKEN_IDS_LOGPROB = 1024  # ids per request in token_ids_logprob
 
 
 def _inputs(body: GenerateBody) -> tuple[list[str | list[int]], bool]:
@@ -86,7 +92,31 @@ def finish_reason_of(d: TextDelta | None) -> dict | None:
     return {"type": d.finish_reason}
 
 
-def _meta(rid: str, a: Acc, start_s: float, body: GenerateBody, start_len: int) -> dict:
+def _asked_ids(body: GenerateBody, num_inputs: int) -> list[list[int]]:
+    """token_ids_logprob as one id list per input (a flat list applies to each)."""
+    raw = body.token_ids_logprob
+    if raw is None:
+        return [[]] * num_inputs
+    lists = raw if raw and all(isinstance(x, list) for x in raw) else [raw] * num_inputs
+    if len(lists) != num_inputs:
+        raise bad_request(f"token_ids_logprob has {len(lists)} lists for {num_inputs} inputs",
+                          param="token_ids_logprob")  # fmt: skip
+    for ids in lists:
+        if not all(type(i) is int and 0 <= i < 2**31 for i in ids):
+            raise bad_request("token_ids_logprob must hold token ids (integers >= 0)",
+                              param="token_ids_logprob")  # fmt: skip
+        if len(ids) > MAX_TOKEN_IDS_LOGPROB:
+            raise bad_request(f"token_ids_logprob takes at most {MAX_TOKEN_IDS_LOGPROB} ids",
+                              param="token_ids_logprob")  # fmt: skip
+    return lists
+
+
+def _entries(row: list, with_text: bool) -> list:
+    return [[x.logprob, x.token_id, x.text if with_text else None] for x in row]
+
+
+def _meta(rid: str, a: Acc, start_s: float, body: GenerateBody, start_len: int,
+          asked: list[int]) -> dict:  # fmt: skip
     d = a.last
     meta = {
         "id": rid,
@@ -101,21 +131,25 @@ def _meta(rid: str, a: Acc, start_s: float, body: GenerateBody, start_len: int) 
         meta["output_token_logprobs"] = [
             [lp, tid, t] for lp, tid, t in zip(a.logprobs, a.token_ids, texts)
         ]
-        meta["output_top_logprobs"] = [
-            [[x.logprob, x.token_id, x.text if body.return_text_in_logprobs else None] for x in row]
-            for row in a.top_logprobs
-        ]
+        k, with_text = body.top_logprobs_num, body.return_text_in_logprobs
+        # each position's list: its k top tokens, then the asked ids
+        meta["output_top_logprobs"] = (
+            [_entries(row[:k], with_text) for row in a.top_logprobs] if k > 0 else []
+        )
+        if asked:
+            meta["output_token_ids_logprobs"] = [_entries(row[k:], with_text)
+                                                 for row in a.top_logprobs]  # fmt: skip
         if start_len >= 0 and a.prompt_ids:
             entries = a.prompt_entries(start_len)
             meta["input_token_logprobs"] = [
-                [lp, tid, t if body.return_text_in_logprobs else None] for lp, tid, t, _ in entries
+                [lp, tid, t if with_text else None] for lp, tid, t, _ in entries
             ]
-            if body.top_logprobs_num > 0:
-                meta["input_top_logprobs"] = [
-                    [[x.logprob, x.token_id, x.text if body.return_text_in_logprobs else None]
-                     for x in top] if lp is not None else None
-                    for lp, _, _, top in entries
-                ]  # fmt: skip
+            if k > 0:
+                meta["input_top_logprobs"] = [_entries(top[:k], with_text) if lp is not None
+                                              else None for lp, _, _, top in entries]  # fmt: skip
+            if asked:
+                meta["input_token_ids_logprobs"] = [_entries(top[k:], with_text) if lp is not None
+                                                    else None for lp, _, _, top in entries]  # fmt: skip
     return meta
 
 
@@ -151,9 +185,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if body.logprob_start_len < -1:
         raise bad_request("logprob_start_len must be >= -1", param="logprob_start_len")
     want_lp = body.return_logprob or body.top_logprobs_num > 0
+    asked_ids = _asked_ids(body, len(inputs)) if body.return_logprob else [[]] * len(inputs)
     gens: list[GenerateRequest] = []
     now_ns = time.monotonic_ns()
-    for inp, sp, rid in zip(inputs, sps, rids):
+    for inp, sp, rid, asked in zip(inputs, sps, rids, asked_ids):
         check_n(sp.n, ctx.limits)
         check_max_tokens(sp.max_new_tokens, ctx.limits, "max_new_tokens", minimum=0)
         sampling = sampling_from(
@@ -162,8 +197,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
         )  # fmt: skip
         seed = sp.sampling_seed if sp.sampling_seed is not None else sp.seed
         sampling = msgspec.structs.replace(
-            sampling, logprob_start_len=body.logprob_start_len if want_lp else -1
-        )
+            sampling, logprob_start_len=body.logprob_start_len if want_lp else -1,
+            token_ids_logprob=asked,
+        )  # fmt: skip
         for i in range(sp.n):
             s = msgspec.structs.replace(sampling, seed=draw_seed() if seed is None else seed + i)
             gens.append(GenerateRequest(
@@ -186,7 +222,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     def item(k: int) -> dict:
         a = accs[k]
         out = {"text": "".join(a.text), "output_ids": list(a.token_ids),
-               "meta_info": _meta(gens[k].request_id, a, start_s, body, start_len)}  # fmt: skip
+               "meta_info": _meta(gens[k].request_id, a, start_s, body, start_len,
+                                  gens[k].sampling.token_ids_logprob)}  # fmt: skip
         if many and body.stream:
             out["index"] = k
         return out

@@ -363,6 +363,7 @@ class GenerateBody(msgspec.Struct, kw_only=True):
     return_logprob: bool = False
     logprob_start_len: I64 = -1
     top_logprobs_num: I64 = 0
+    token_ids_logprob: list[Any] | None = None  # ids (or one list per input), see native_api
     return_text_in_logprobs: bool = False  # SGLang's default: entries are [logprob, id, None]
     rid: str | list[str] | None = None
     priority: Priority | None = None

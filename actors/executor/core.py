@@ -389,7 +389,8 @@ class ExecutorCore:
             samplings = [r.sampling for r in f.rows]
             out = sample_results(f.sample, samplings) if f.sample is not None else None
             prompt_logprobs = {r: t.chosen.tolist() for r, t in f.prompt_lp.items()}
-            prompt_top = {r: top_lists(t) for r, t in f.prompt_lp.items() if t.top_ids is not None}
+            tops = {r: top_lists(t) for r, t in f.prompt_lp.items()}
+            prompt_top = {r: t for r, t in tops.items() if t is not None}
         except Exception as e:  # a device error surfaces here: its rows have no sample
             for row in f.rows:
                 row.inflight = False

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import msgspec
 import torch
 
-from shunter.actors.executor.sampling import RowSampling, validate_params
+from shunter.actors.executor.sampling import RowSampling, validate_params, with_ids
 from shunter.actors.executor.slot_table import long_tensor
 from shunter.bus.messages import LAST_SAMPLED, ForwardBatch, TopLogprob
 from shunter.kernels.page_layout import to_device
@@ -258,14 +258,18 @@ def logits_layout(entries: list[Entry]) -> LogitsLayout:
 
 
 class PromptScores(NamedTuple):
-    """One entry's prompt logprobs on the logits' device: `chosen` [n] float32, and
-    when the row asks for top_logprobs_num k > 0 the k most likely tokens of each
-    position, `top_vals` [n, k] float32 and `top_ids` [n, k] int64. A position nothing
-    scored (position 0, a prefix that came from the cache) is NaN throughout."""
+    """One entry's prompt logprobs on the logits' device: `chosen` [n] float32; when
+    the row asks for top_logprobs_num k > 0 the k most likely tokens of each position,
+    `top_vals` [n, k] float32 and `top_ids` [n, k] int64; when it names
+    token_ids_logprob, those L ids (`req_ids` [L] int64, on the host) and their
+    logprobs at each position (`req_vals` [n, L]). A position nothing scored (position
+    0, a prefix that came from the cache) is NaN throughout."""
 
     chosen: torch.Tensor
     top_vals: torch.Tensor | None
     top_ids: torch.Tensor | None
+    req_ids: torch.Tensor | None = None
+    req_vals: torch.Tensor | None = None
 
 
 def prompt_logprobs(e: Entry, row: Row, logits: torch.Tensor) -> PromptScores:
@@ -292,17 +296,23 @@ def prompt_logprobs(e: Entry, row: Row, logits: torch.Tensor) -> PromptScores:
         parts.append((torch.log_softmax(scored, dim=-1), e.ids[q0 - e.start :]))
     # Keep the last position's distribution for the next chunk (a sample ends the prompt).
     row.prompt_lp = None if e.sample else torch.log_softmax(logits[-1], dim=-1)
-    chosen, vals, ids = [], [], []
+    asked = row.sampling.params.token_ids_logprob
+    req_ids = torch.tensor(asked, dtype=torch.int64) if asked else None
+    req_dev = None if req_ids is None else to_device(req_ids, logits.device)
+    chosen, vals, ids, req_vals = [], [], [], []
     for lp, nxt in parts:
         idx = to_device(torch.tensor(nxt, dtype=torch.int64), lp.device)  # no device wait
         chosen.append(lp.gather(1, idx.unsqueeze(1)).squeeze(1))
         if k > 0:
             v, i = lp.topk(k, dim=-1)
             vals.append(v), ids.append(i)
+        if req_dev is not None:
+            req_vals.append(lp.index_select(1, req_dev))
     if not parts:
         return PromptScores(logits.new_empty(0), None, None)
     return PromptScores(torch.cat(chosen), torch.cat(vals) if k > 0 else None,
-                        torch.cat(ids) if k > 0 else None)  # fmt: skip
+                        torch.cat(ids) if k > 0 else None, req_ids,
+                        torch.cat(req_vals) if req_vals else None)  # fmt: skip
 
 
 def scores_to_host(s: PromptScores, non_blocking: bool) -> PromptScores:
@@ -310,8 +320,15 @@ def scores_to_host(s: PromptScores, non_blocking: bool) -> PromptScores:
                           for t in s))  # fmt: skip
 
 
-def top_lists(s: PromptScores) -> list[list[TopLogprob]]:
-    """Host PromptScores -> each position's top tokens ([] where nothing scored it)."""
-    assert s.top_ids is not None and s.top_vals is not None
-    return [[] if c != c else [TopLogprob(t, v) for t, v in zip(ids, vals)]
-            for c, ids, vals in zip(s.chosen.tolist(), s.top_ids.tolist(), s.top_vals.tolist())]  # fmt: skip
+def top_lists(s: PromptScores) -> list[list[TopLogprob]] | None:
+    """Host PromptScores -> each position's top tokens, then its token_ids_logprob ids
+    ([] where nothing scored it); None when the row asked for neither."""
+    if s.top_ids is None and s.req_vals is None:
+        return None
+    n = len(s.chosen)
+    tops = (zip(s.top_ids.tolist(), s.top_vals.tolist()) if s.top_ids is not None
+            else [((), ())] * n)  # fmt: skip
+    asked = [] if s.req_ids is None else s.req_ids.tolist()
+    req_vals = [[]] * n if s.req_vals is None else s.req_vals.tolist()
+    return [[] if c != c else [TopLogprob(t, v) for t, v in with_ids(list(zip(*top)), asked, r)]
+            for c, top, r in zip(s.chosen.tolist(), tops, req_vals)]  # fmt: skip

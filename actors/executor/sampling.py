@@ -41,6 +41,8 @@ Logprobs are those of the model's RAW distribution: log_softmax of the logits be
 penalties, bias, masks, temperature and truncation (vLLM's default "raw logprobs").
 So a token's logprob does not depend on the sampling settings, and prompt logprobs
 and output logprobs are on the same scale. (SGLang reports the processed one.)
+A row's token_ids_logprob ids are reported from the same distribution, after its top
+tokens in each position's list (`ids_logprobs`).
 
 Invariants
 ----------
@@ -93,6 +95,9 @@ def validate_params(params: SamplingParams, vocab_size: int) -> str | None:
         return f"min_new_tokens must be >= 0, got {p.min_new_tokens}"
     if p.top_logprobs_num < 0:
         return f"top_logprobs_num must be >= 0, got {p.top_logprobs_num}"
+    bad = [t for t in p.token_ids_logprob if not 0 <= t < vocab_size]
+    if bad:
+        return f"token_ids_logprob outside the vocabulary [0, {vocab_size}): {bad[:5]}"
     bad = [t for t in p.logit_bias if not 0 <= t < vocab_size]
     if bad:
         return f"logit_bias names token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
@@ -131,7 +136,9 @@ class RowSampling:
         self.num_output_tokens = 0
         # Ids that min_new_tokens keeps out until enough tokens exist.
         self.masked_ids = sorted({*eos_token_ids, *params.stop_token_ids})
-        self.wants_logprobs = params.return_logprob or params.top_logprobs_num > 0
+        self.wants_logprobs = (
+            params.return_logprob or params.top_logprobs_num > 0 or bool(params.token_ids_logprob)
+        )
 
     def observe_prompt(self, token_ids: Sequence[int]) -> None:
         if self.params.repetition_penalty != 1.0:
@@ -286,6 +293,7 @@ class DeviceSample(NamedTuple):
     chosen: torch.Tensor | None  # [A] float32 raw logprob of each asked row's token
     top_vals: torch.Tensor | None  # [A, kmax] float32 largest raw logprobs, or None
     top_ids: torch.Tensor | None  # [A, kmax] int64 their token ids
+    id_vals: torch.Tensor | None = None  # [A, L] float32 raw logprobs of token_ids_logprob
 
     def to_host(self, non_blocking: bool) -> DeviceSample:
         """Copies on the CPU. non_blocking from CUDA lands in pinned memory and is only
@@ -295,7 +303,22 @@ class DeviceSample(NamedTuple):
             return None if t is None else t.to("cpu", non_blocking=non_blocking)
 
         return DeviceSample(cpu(self.tokens), self.asked, cpu(self.chosen),  # type: ignore[arg-type]
-                            cpu(self.top_vals), cpu(self.top_ids))  # fmt: skip
+                            cpu(self.top_vals), cpu(self.top_ids), cpu(self.id_vals))  # fmt: skip
+
+
+def ids_logprobs(lp: torch.Tensor, ids: Sequence[Sequence[int]]) -> torch.Tensor | None:
+    """lp [A, V] logprobs -> [A, L] those of each row's ids (padded past a row's own
+    count with token 0's), or None when no row names any. No device wait."""
+    width = max(map(len, ids), default=0)
+    if width == 0:
+        return None
+    padded = [list(r) + [0] * (width - len(r)) for r in ids]
+    return lp.gather(1, device_tensor(padded, lp.device, torch.int64))
+
+
+def with_ids(top: list[tuple[int, float]], ids: Sequence[int], vals: list[float]) -> list:
+    """A position's top tokens followed by its token_ids_logprob ids (SampleOutput)."""
+    return top + list(zip(ids, vals[: len(ids)])) if ids else top
 
 
 def sample_on_device(logits: torch.Tensor, rows: Sequence[RowSampling]) -> DeviceSample:
@@ -334,11 +357,12 @@ def sample_on_device(logits: torch.Tensor, rows: Sequence[RowSampling]) -> Devic
     a = device_tensor(asked, dev)
     lp = torch.log_softmax(logits[a], dim=-1)  # [A, V] raw model distribution
     chosen = lp.gather(1, tokens[a].unsqueeze(1)).squeeze(1)
+    id_vals = ids_logprobs(lp, [rows[i].params.token_ids_logprob for i in asked])
     kmax = max(rows[i].params.top_logprobs_num for i in asked)
     if kmax == 0:
-        return DeviceSample(tokens, asked, chosen, None, None)
+        return DeviceSample(tokens, asked, chosen, None, None, id_vals)
     vals, ids = lp.topk(min(kmax, lp.shape[-1]), dim=-1)
-    return DeviceSample(tokens, asked, chosen, vals, ids)
+    return DeviceSample(tokens, asked, chosen, vals, ids, id_vals)
 
 
 def sample_results(ds: DeviceSample, rows: Sequence[RowSampling]) -> SampleOutput:
@@ -355,6 +379,9 @@ def sample_results(ds: DeviceSample, rows: Sequence[RowSampling]) -> SampleOutpu
         for j, i in enumerate(ds.asked):
             k = rows[i].params.top_logprobs_num
             top_logprobs[i] = list(zip(ids_l[j][:k], vals_l[j][:k]))
+    if ds.id_vals is not None:
+        for i, vals in zip(ds.asked, ds.id_vals.tolist(), strict=True):
+            top_logprobs[i] = with_ids(top_logprobs[i], rows[i].params.token_ids_logprob, vals)
     return SampleOutput(token_ids, logprobs, top_logprobs)
 
 

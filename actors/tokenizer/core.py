@@ -211,12 +211,13 @@ class TokenizerCore:
                 f"stop strings are limited to {self.config.max_stop_len_chars} characters",
             )
         vocab = self.codec.vocab_size
-        bad_ids = [i for i in (*sp.stop_token_ids, *sp.logit_bias) if not 0 <= i < vocab]
+        named = (*sp.stop_token_ids, *sp.logit_bias, *sp.token_ids_logprob)
+        bad_ids = [i for i in named if not 0 <= i < vocab]
         if bad_ids:  # caught here, they would fail a whole executor step
             raise _Invalid(
                 "invalid_request",
-                f"token id {bad_ids[0]} in stop_token_ids or logit_bias is outside the "
-                f"vocabulary [0, {vocab})",
+                f"token id {bad_ids[0]} in stop_token_ids, logit_bias or token_ids_logprob "
+                f"is outside the vocabulary [0, {vocab})",
             )
         ids = self._prompt_ids(req)
         n, ctx = len(ids), self.context_len

@@ -35,6 +35,9 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     return_logprob: bool = False  # logprob of each sampled token
     top_logprobs_num: int = 0  # also the k most likely tokens at each step
     logprob_start_len: int = -1  # >= 0: prompt logprobs from this prompt position on
+    # These tokens' logprobs at every position that reports logprobs, each position's
+    # list of them following its top_logprobs_num top tokens (SGLang's token_ids_logprob)
+    token_ids_logprob: list[int] = []
 
 
 class ChatMessage(msgspec.Struct, frozen=True, array_like=True, gc=False):

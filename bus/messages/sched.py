@@ -63,12 +63,15 @@ class StepResult(Msg, tag="sched.result"):
     rows: list[int]  # rows that sampled, in batch order
     token_ids: list[int]
     logprobs: list[float] = []  # per sampled token, for rows that asked (NaN elsewhere)
-    top_logprobs: list[list[TopLogprob]] = []  # per row that asked, else []
+    # per row that asked, else []: its top_logprobs_num top tokens, then the
+    # token_ids_logprob ids in the order asked (SamplingParams)
+    top_logprobs: list[list[TopLogprob]] = []
     prompt_logprobs: dict[int, list[float]] = {}  # row -> prompt logprobs computed this step
     forward_us: int = 0  # executor's time for the step (for metrics; not used by cores)
     error: str | None = None  # a failed step: every row in it fails
-    # row -> the top tokens of each prompt position in prompt_logprobs ([] where none
-    # was scored), for rows that ask for prompt logprobs and top_logprobs_num > 0
+    # row -> the top tokens (then the token_ids_logprob ids) of each prompt position in
+    # prompt_logprobs ([] where none was scored), for rows that ask for prompt logprobs
+    # and for top tokens or token ids
     prompt_top_logprobs: dict[int, list[list[TopLogprob]]] = {}
 
 

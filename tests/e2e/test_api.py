@@ -201,6 +201,44 @@ def test_a_prompt_is_scored_without_generating(client, model, server):
     assert [t[0][0] for t in in_tops[1:]] == pytest.approx([max(t.values()) for t in tops[1:]])
 
 
+def test_token_ids_logprob_reports_the_asked_ids_at_every_position(server):
+    """/generate's token_ids_logprob: each output and scored prompt position gives the
+    asked ids' logprobs, in the order asked, from the distribution the chosen and top
+    logprobs come from (so an asked id equal to the chosen token has its logprob)."""
+    text = "The capital of France is"
+    status, raw = post(server, "/generate", {"text": text, "return_logprob": True,
+                       "sampling_params": {"max_new_tokens": 4, "temperature": 0}})  # fmt: skip
+    first = json.loads(raw)["output_ids"][0]
+    status, raw = post(server, "/generate", {
+        "text": text, "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 1,
+        "token_ids_logprob": [first, 7]})  # fmt: skip
+    assert status == 200, raw
+    meta = json.loads(raw)["meta_info"]
+    outs, asked = meta["output_token_logprobs"], meta["output_token_ids_logprobs"]
+    assert len(asked) == len(outs) == 4 and all(len(t) == 1 for t in meta["output_top_logprobs"])
+    assert [[e[1] for e in pos] for pos in asked] == [[first, 7]] * 4
+    assert asked[0][0][0] == pytest.approx(outs[0][0], abs=1e-6)  # the chosen token itself
+    assert all(e[0] <= meta["output_top_logprobs"][i][0][0] + 1e-6
+               for i, pos in enumerate(asked) for e in pos)  # fmt: skip
+    ins, in_asked = meta["input_token_logprobs"], meta["input_token_ids_logprobs"]
+    assert in_asked[0] is None and len(in_asked) == len(ins) == meta["prompt_tokens"]
+    assert all([e[1] for e in pos] == [first, 7] for pos in in_asked[1:])
+    # a prompt token asked for by id: its logprob at its own position
+    status, raw = post(server, "/generate", {
+        "input_ids": [5, 6, 9, 11], "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True, "logprob_start_len": 0, "token_ids_logprob": [[9]]})  # fmt: skip
+    meta = json.loads(raw)["meta_info"]
+    assert meta["output_top_logprobs"] == [] and "input_top_logprobs" not in meta
+    assert meta["input_token_ids_logprobs"][2][0][0] == pytest.approx(
+        meta["input_token_logprobs"][2][0], abs=1e-6
+    )
+    for bad in ([-1], ["x"], [[1], [2]], [10**9]):
+        status, raw = post(server, "/generate", {"text": "x", "return_logprob": True,
+                                                 "token_ids_logprob": bad})  # fmt: skip
+        assert status == 400 and "token_ids_logprob" in json.loads(raw)["error"]["message"], raw
+
+
 def test_a_burst_with_one_preamble_computes_it_once(client, model):
     """Requests sent together that share a long preamble (and nothing cached yet): the
     first computes it, the others wait for it and report it as cached."""

@@ -207,6 +207,21 @@ def test_chunked_prefill_and_prompt_logprobs(model):
     assert [len(p.prompt_logprobs[0]) for p in parts] == [0, 13, len(ids) - 25]
     got = [v for p in parts for v in p.prompt_logprobs[0]]
     assert got == pytest.approx(whole[12:], abs=1e-4)
+    # token_ids_logprob: each scored position's asked ids after its top tokens, chunked
+    # or whole; an asked id that is the position's own token has its prompt logprob.
+    asked = SamplingParams(temperature=0.0, logprob_start_len=0, return_logprob=True,
+                           top_logprobs_num=1, token_ids_logprob=[ids[5], 17])  # fmt: skip
+    drv5 = Driver(make_core(model))
+    parts = [drv5.step([(0, ids[:10])], opens=[open_row(0, asked)], sample=[False]),
+             drv5.step([(0, ids[10:])])]  # fmt: skip
+    tops = [t for p in parts for t in p.prompt_top_logprobs[0]]
+    assert tops[0] == [] and all(len(t) == 3 for t in tops[1:])
+    assert all([x.token_id for x in t[1:]] == [ids[5], 17] for t in tops[1:])
+    assert tops[5][1].logprob == pytest.approx(whole[5], abs=1e-4)
+    assert [t[0].token_id for t in tops[1:]] == [
+        t[0].token_id for t in one.prompt_top_logprobs[0][1:]
+    ]
+    assert [x.token_id for x in parts[1].top_logprobs[0]] == [one.token_ids[0], ids[5], 17]
 
 
 def test_seeded_sampling_reproduces_in_other_batches(model):

@@ -229,6 +229,27 @@ def test_logprobs_are_raw_model_logprobs():
     assert [v for _, v in top] == pytest.approx(want.values.tolist(), abs=1e-6)
 
 
+def test_token_ids_logprob_follow_the_top_tokens_in_the_order_asked():
+    g = torch.Generator().manual_seed(12)
+    logits = torch.randn(4, V, generator=g)
+    rows = [
+        _row(temperature=0.0, top_logprobs_num=2, token_ids_logprob=[9, 3, 9]),
+        _row(temperature=0.0, return_logprob=True),
+        _row(seed=3, temperature=0.9, token_ids_logprob=[0]),  # ids alone ask for logprobs
+        _row(temperature=0.0),
+    ]
+    res = sample(logits, rows)
+    lp = torch.log_softmax(logits, -1)
+    top0 = lp[0].topk(2).indices.tolist()
+    assert [t for t, _ in res.top_logprobs[0]] == [*top0, 9, 3, 9]
+    assert [v for _, v in res.top_logprobs[0][2:]] == pytest.approx(
+        [lp[0, 9].item(), lp[0, 3].item(), lp[0, 9].item()], abs=1e-6
+    )
+    assert res.top_logprobs[1] == [] and res.top_logprobs[3] == []
+    assert res.top_logprobs[2] == [(0, pytest.approx(lp[2, 0].item(), abs=1e-6))]
+    assert not math.isnan(res.logprobs[2]) and math.isnan(res.logprobs[3])
+
+
 @pytest.mark.parametrize(
     ("kw", "needle"),
     [
@@ -238,6 +259,7 @@ def test_logprobs_are_raw_model_logprobs():
         (dict(min_p=1.5), "min_p"),
         (dict(repetition_penalty=0.0), "repetition_penalty"),
         (dict(frequency_penalty=math.inf), "frequency_penalty"),
+        (dict(token_ids_logprob=[V]), "token_ids_logprob"),
         (dict(min_new_tokens=-1), "min_new_tokens"),
         (dict(logit_bias={V: 1.0}), "logit_bias"),
         (dict(stop_token_ids=[-3]), "stop_token_ids"),

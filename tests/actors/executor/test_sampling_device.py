@@ -26,7 +26,7 @@ MIXED = [
     dict(temperature=0.8, top_k=20),
     dict(temperature=0.9, min_p=0.05, frequency_penalty=0.4, presence_penalty=0.2),
     dict(temperature=1.0, top_p=0.9, return_logprob=True),
-    dict(temperature=1.1, top_p=0.5, top_k=40, top_logprobs_num=5),
+    dict(temperature=1.1, top_p=0.5, top_k=40, top_logprobs_num=5, token_ids_logprob=[4, 1]),
     dict(temperature=0.7, logit_bias={3: 2.0, 7: -math.inf}, min_new_tokens=4,
          stop_token_ids=[5]),
 ]  # fmt: skip

@@ -4,6 +4,7 @@ Routes (SGLang's and OpenAI's paths):
     POST /v1/completions, /v1/chat/completions; GET /v1/models, /v1/models/{id};
     POST /v1/tokenize, /v1/detokenize                                  (openai_api.py)
     POST /generate                                                     (native_api.py)
+    POST /v1/score                                                     (score_api.py)
     GET /health, /health_generate, /get_model_info, /get_server_info, /metrics;
     POST /flush_cache, /abort_request, /update_weights_from_disk, /pause_generation,
     /continue_generation (admin)                                       (admin.py)
@@ -180,7 +181,7 @@ async def error_middleware(request: web.Request, handler):
 
 
 def build_app(ctx: Ctx) -> web.Application:
-    from shunter.gateway import admin, native_api, openai_api
+    from shunter.gateway import admin, native_api, openai_api, score_api
 
     app = web.Application(
         middlewares=[error_middleware, auth_middleware],
@@ -189,5 +190,6 @@ def build_app(ctx: Ctx) -> web.Application:
     app[CTX] = ctx
     app.add_routes(openai_api.routes)
     app.add_routes(native_api.routes)
+    app.add_routes(score_api.routes)
     app.add_routes(admin.routes)
     return app

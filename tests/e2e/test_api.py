@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import urllib.request
 
 import openai
@@ -237,6 +238,51 @@ def test_token_ids_logprob_reports_the_asked_ids_at_every_position(server):
         status, raw = post(server, "/generate", {"text": "x", "return_logprob": True,
                                                  "token_ids_logprob": bad})  # fmt: skip
         assert status == 400 and "token_ids_logprob" in json.loads(raw)["error"]["message"], raw
+
+
+def test_score_gives_each_items_label_probabilities(server, model):
+    """/v1/score: each item's label probabilities are those /generate reports for the
+    joined prompt; apply_softmax renormalizes over the labels; ids work as text does."""
+    query, items = "The capital of France is", [" Paris", " a city", " London"]
+    labels = [5, 11, 42]
+    status, raw = post(server, "/v1/score", {"query": query, "items": items,
+                       "label_token_ids": labels, "model": model})  # fmt: skip
+    assert status == 200, raw
+    out = json.loads(raw)
+    assert out["object"] == "scoring" and len(out["scores"]) == 3
+    assert out["usage"]["prompt_tokens"] > 3 * 5
+    for item, got in zip(items, out["scores"], strict=True):
+        status, raw = post(server, "/generate", {"text": query + item, "return_logprob": True,
+                           "token_ids_logprob": labels, "sampling_params": {
+                               "max_new_tokens": 1, "temperature": 0}})  # fmt: skip
+        want = [
+            math.exp(e[0]) for e in json.loads(raw)["meta_info"]["output_token_ids_logprobs"][0]
+        ]
+        assert got == pytest.approx(want, rel=1e-4) and all(0 < p < 1 for p in got)
+    status, raw = post(server, "/v1/score", {"query": query, "items": items,
+                       "label_token_ids": labels, "apply_softmax": True})  # fmt: skip
+    soft = json.loads(raw)["scores"]
+    for s, p in zip(soft, out["scores"], strict=True):
+        assert sum(s) == pytest.approx(1.0) and s == pytest.approx(
+            [x / sum(p) for x in p], rel=1e-4
+        )
+    status, raw = post(server, "/v1/score", {"query": [5, 6, 9], "items": [[11], [12, 13]],
+                       "label_token_ids": [7], "item_first": True})  # fmt: skip
+    got = [p for (p,) in json.loads(raw)["scores"]]
+    for ids, p in zip([[11, 5, 6, 9], [12, 13, 5, 6, 9]], got, strict=True):
+        status, raw = post(server, "/generate", {"input_ids": ids, "return_logprob": True,
+                           "token_ids_logprob": [7], "sampling_params": {"max_new_tokens": 1}})  # fmt: skip
+        ((lp, _, _),) = json.loads(raw)["meta_info"]["output_token_ids_logprobs"][0]
+        assert p == pytest.approx(math.exp(lp), rel=1e-4)
+    for bad, param in [({"query": "x"}, "items"), ({"query": "x", "items": [[1]]}, "items"),
+                       ({"query": [1], "items": ["y"]}, "items"),
+                       ({"query": "x", "items": "y", "label_token_ids": []}, "label_token_ids"),
+                       ({"query": "x", "items": "y", "label_token_ids": [10**9]}, "token_ids_logprob")]:  # fmt: skip
+        status, raw = post(server, "/v1/score", {"label_token_ids": [1], **bad})
+        assert status == 400 and param in raw.decode(), raw
+    status, raw = post(server, "/v1/score", {"query": "x", "items": "y", "label_token_ids": [1],
+                                             "model": "no-such-model"})  # fmt: skip
+    assert status == 404
 
 
 def test_a_burst_with_one_preamble_computes_it_once(client, model):

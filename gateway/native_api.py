@@ -44,6 +44,7 @@ from shunter.gateway.formats import Acc
 from shunter.gateway.validation import (
     GenerateBody,
     NativeSamplingParams,
+    check_logprob_ids,
     check_max_tokens,
     check_n,
     decode_body,
@@ -51,7 +52,6 @@ from shunter.gateway.validation import (
 )
 
 routes = web.RouteTableDef()
-MAX_TOKEN_IDS_LOGPROB = 1024  # ids per request in token_ids_logprob
 
 
 def _inputs(body: GenerateBody) -> tuple[list[str | list[int]], bool]:
@@ -95,20 +95,13 @@ def finish_reason_of(d: TextDelta | None) -> dict | None:
 def _asked_ids(body: GenerateBody, num_inputs: int) -> list[list[int]]:
     """token_ids_logprob as one id list per input (a flat list applies to each)."""
     raw = body.token_ids_logprob
-    if raw is None:
+    if not raw:
         return [[]] * num_inputs
-    lists = raw if raw and all(isinstance(x, list) for x in raw) else [raw] * num_inputs
+    lists = raw if all(isinstance(x, list) for x in raw) else [raw] * num_inputs
     if len(lists) != num_inputs:
         raise bad_request(f"token_ids_logprob has {len(lists)} lists for {num_inputs} inputs",
                           param="token_ids_logprob")  # fmt: skip
-    for ids in lists:
-        if not all(type(i) is int and 0 <= i < 2**31 for i in ids):
-            raise bad_request("token_ids_logprob must hold token ids (integers >= 0)",
-                              param="token_ids_logprob")  # fmt: skip
-        if len(ids) > MAX_TOKEN_IDS_LOGPROB:
-            raise bad_request(f"token_ids_logprob takes at most {MAX_TOKEN_IDS_LOGPROB} ids",
-                              param="token_ids_logprob")  # fmt: skip
-    return lists
+    return [check_logprob_ids(ids, "token_ids_logprob") for ids in lists]
 
 
 def _entries(row: list, with_text: bool) -> list:

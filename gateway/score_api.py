@@ -27,8 +27,7 @@ from shunter.gateway.app import ctx_of, generation, json_response, read_body
 from shunter.gateway.engine import new_id
 from shunter.gateway.errors import APIError, bad_request
 from shunter.gateway.formats import Acc
-from shunter.gateway.native_api import MAX_TOKEN_IDS_LOGPROB
-from shunter.gateway.validation import check_model, decode_body
+from shunter.gateway.validation import check_logprob_ids, check_model, decode_body, is_token_ids
 
 routes = web.RouteTableDef()
 
@@ -42,10 +41,6 @@ class ScoreBody(msgspec.Struct, kw_only=True):
     model: str | None = None
 
 
-def _is_ids(x: Any) -> bool:
-    return isinstance(x, list) and all(type(i) is int and i >= 0 for i in x)
-
-
 def _prompts(body: ScoreBody) -> list[str | list[int]]:
     """query joined with each item, in the order item_first asks for."""
     if body.query is None or body.items is None:
@@ -57,22 +52,11 @@ def _prompts(body: ScoreBody) -> list[str | list[int]]:
     if isinstance(body.query, str):
         if not all(isinstance(it, str) for it in items):
             raise bad_request("a text query takes text items", param="items")
-    elif not _is_ids(body.query) or not all(_is_ids(it) for it in items):
+    elif not is_token_ids(body.query) or not all(is_token_ids(it) for it in items):
         raise bad_request("a token-id query takes items that are lists of token ids (>= 0)",
                           param="items")  # fmt: skip
     pairs = [(it, body.query) if body.item_first else (body.query, it) for it in items]
     return [a + b for a, b in pairs]
-
-
-def _labels(body: ScoreBody) -> list[int]:
-    labels = body.label_token_ids
-    if not labels or not _is_ids(labels):
-        raise bad_request("label_token_ids must be a non-empty list of token ids (>= 0)",
-                          param="label_token_ids")  # fmt: skip
-    if len(labels) > MAX_TOKEN_IDS_LOGPROB:
-        raise bad_request(f"label_token_ids takes at most {MAX_TOKEN_IDS_LOGPROB} ids",
-                          param="label_token_ids")  # fmt: skip
-    return labels
 
 
 def _scores(a: Acc, softmax: bool) -> list[float]:
@@ -93,7 +77,8 @@ async def score(request: web.Request) -> web.Response:
     ctx = ctx_of(request)
     body = decode_body(await read_body(request), ScoreBody)
     check_model(body.model, ctx.config.served_model_name)
-    prompts, labels = _prompts(body), _labels(body)
+    prompts = _prompts(body)
+    labels = check_logprob_ids(body.label_token_ids, "label_token_ids")
     if len(prompts) > ctx.limits.max_prompts:
         raise bad_request(f"at most {ctx.limits.max_prompts} items per request", param="items")
     sampling = SamplingParams(max_new_tokens=1, temperature=0.0, return_logprob=True,

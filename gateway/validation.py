@@ -133,6 +133,25 @@ def _check(cond: bool, message: str, param: str) -> None:
         raise bad_request(message, param=param)
 
 
+MAX_LOGPROB_TOKEN_IDS = 1024  # ids one request may ask logprobs of (token_ids_logprob, labels)
+
+
+def is_token_ids(x: Any) -> bool:
+    """A list of token ids: ints (not bools) in [0, 2^31)."""
+    return isinstance(x, list) and all(type(i) is int and 0 <= i < 2**31 for i in x)
+
+
+def check_logprob_ids(ids: Any, param: str) -> list[int]:
+    """ids whose logprobs a request asks for: a non-empty list of token ids, at most
+    MAX_LOGPROB_TOKEN_IDS of them (APIError 400 naming `param` otherwise)."""
+    if not ids or not is_token_ids(ids):
+        raise bad_request(f"{param} must be a non-empty list of token ids (integers >= 0)",
+                          param=param)  # fmt: skip
+    if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+        raise bad_request(f"{param} takes at most {MAX_LOGPROB_TOKEN_IDS} ids", param=param)
+    return ids
+
+
 def check_model(requested: str | None, served: str) -> None:
     if requested is not None and requested != served:
         raise APIError(

@@ -261,15 +261,15 @@ class PromptScores(NamedTuple):
     """One entry's prompt logprobs on the logits' device: `chosen` [n] float32; when
     the row asks for top_logprobs_num k > 0 the k most likely tokens of each position,
     `top_vals` [n, k] float32 and `top_ids` [n, k] int64; when it names
-    token_ids_logprob, those L ids (`req_ids` [L] int64, on the host) and their
-    logprobs at each position (`req_vals` [n, L]). A position nothing scored (position
+    token_ids_logprob, those L ids (`id_list` [L] int64, on the host) and their
+    logprobs at each position (`id_vals` [n, L]). A position nothing scored (position
     0, a prefix that came from the cache) is NaN throughout."""
 
     chosen: torch.Tensor
     top_vals: torch.Tensor | None
     top_ids: torch.Tensor | None
-    req_ids: torch.Tensor | None = None
-    req_vals: torch.Tensor | None = None
+    id_list: torch.Tensor | None = None
+    id_vals: torch.Tensor | None = None
 
 
 def prompt_logprobs(e: Entry, row: Row, logits: torch.Tensor) -> PromptScores:
@@ -297,22 +297,22 @@ def prompt_logprobs(e: Entry, row: Row, logits: torch.Tensor) -> PromptScores:
     # Keep the last position's distribution for the next chunk (a sample ends the prompt).
     row.prompt_lp = None if e.sample else torch.log_softmax(logits[-1], dim=-1)
     asked = row.sampling.params.token_ids_logprob
-    req_ids = torch.tensor(asked, dtype=torch.int64) if asked else None
-    req_dev = None if req_ids is None else to_device(req_ids, logits.device)
-    chosen, vals, ids, req_vals = [], [], [], []
+    id_list = torch.tensor(asked, dtype=torch.int64) if asked else None
+    id_dev = None if id_list is None else to_device(id_list, logits.device)
+    chosen, vals, ids, id_vals = [], [], [], []
     for lp, nxt in parts:
         idx = to_device(torch.tensor(nxt, dtype=torch.int64), lp.device)  # no device wait
         chosen.append(lp.gather(1, idx.unsqueeze(1)).squeeze(1))
         if k > 0:
             v, i = lp.topk(k, dim=-1)
             vals.append(v), ids.append(i)
-        if req_dev is not None:
-            req_vals.append(lp.index_select(1, req_dev))
+        if id_dev is not None:
+            id_vals.append(lp.index_select(1, id_dev))
     if not parts:
         return PromptScores(logits.new_empty(0), None, None)
     return PromptScores(torch.cat(chosen), torch.cat(vals) if k > 0 else None,
-                        torch.cat(ids) if k > 0 else None, req_ids,
-                        torch.cat(req_vals) if req_vals else None)  # fmt: skip
+                        torch.cat(ids) if k > 0 else None, id_list,
+                        torch.cat(id_vals) if id_vals else None)  # fmt: skip
 
 
 def scores_to_host(s: PromptScores, non_blocking: bool) -> PromptScores:
@@ -323,12 +323,12 @@ def scores_to_host(s: PromptScores, non_blocking: bool) -> PromptScores:
 def top_lists(s: PromptScores) -> list[list[TopLogprob]] | None:
     """Host PromptScores -> each position's top tokens, then its token_ids_logprob ids
     ([] where nothing scored it); None when the row asked for neither."""
-    if s.top_ids is None and s.req_vals is None:
+    if s.top_ids is None and s.id_vals is None:
         return None
     n = len(s.chosen)
     tops = (zip(s.top_ids.tolist(), s.top_vals.tolist()) if s.top_ids is not None
             else [((), ())] * n)  # fmt: skip
-    asked = [] if s.req_ids is None else s.req_ids.tolist()
-    req_vals = [[]] * n if s.req_vals is None else s.req_vals.tolist()
+    asked = [] if s.id_list is None else s.id_list.tolist()
+    id_vals = [[]] * n if s.id_vals is None else s.id_vals.tolist()
     return [[] if c != c else [TopLogprob(t, v) for t, v in with_ids(list(zip(*top)), asked, r)]
-            for c, top, r in zip(s.chosen.tolist(), tops, req_vals)]  # fmt: skip
+            for c, top, r in zip(s.chosen.tolist(), tops, id_vals)]  # fmt: skip

@@ -42,7 +42,7 @@ penalties, bias, masks, temperature and truncation (vLLM's default "raw logprobs
 So a token's logprob does not depend on the sampling settings, and prompt logprobs
 and output logprobs are on the same scale. (SGLang reports the processed one.)
 A row's token_ids_logprob ids are reported from the same distribution, after its top
-tokens in each position's list (`ids_logprobs`).
+tokens in each position's list (`ids_logprobs`, `with_ids`).
 
 Invariants
 ----------

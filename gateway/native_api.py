@@ -104,6 +104,12 @@ def _asked_ids(body: GenerateBody, num_inputs: int) -> list[list[int]]:
     return [check_logprob_ids(ids, "token_ids_logprob") for ids in lists]
 
 
+def _split(row: list, num_asked: int) -> tuple[list, list]:
+    """A position's logprob list as (its top tokens, the asked ids): the ids come last."""
+    cut = len(row) - num_asked
+    return row[:cut], row[cut:]
+
+
 def _entries(row: list, with_text: bool) -> list:
     return [[x.logprob, x.token_id, x.text if with_text else None] for x in row]
 
@@ -125,12 +131,12 @@ def _meta(rid: str, a: Acc, start_s: float, body: GenerateBody, start_len: int,
             [lp, tid, t] for lp, tid, t in zip(a.logprobs, a.token_ids, texts)
         ]
         k, with_text = body.top_logprobs_num, body.return_text_in_logprobs
-        # each position's list: its k top tokens, then the asked ids
+        n = len(asked)
         meta["output_top_logprobs"] = (
-            [_entries(row[:k], with_text) for row in a.top_logprobs] if k > 0 else []
+            [_entries(_split(row, n)[0], with_text) for row in a.top_logprobs] if k > 0 else []
         )
         if asked:
-            meta["output_token_ids_logprobs"] = [_entries(row[k:], with_text)
+            meta["output_token_ids_logprobs"] = [_entries(_split(row, n)[1], with_text)
                                                  for row in a.top_logprobs]  # fmt: skip
         if start_len >= 0 and a.prompt_ids:
             entries = a.prompt_entries(start_len)
@@ -138,11 +144,11 @@ def _meta(rid: str, a: Acc, start_s: float, body: GenerateBody, start_len: int,
                 [lp, tid, t if with_text else None] for lp, tid, t, _ in entries
             ]
             if k > 0:
-                meta["input_top_logprobs"] = [_entries(top[:k], with_text) if lp is not None
-                                              else None for lp, _, _, top in entries]  # fmt: skip
+                meta["input_top_logprobs"] = [_entries(_split(row, n)[0], with_text) if lp is not None
+                                              else None for lp, _, _, row in entries]  # fmt: skip
             if asked:
-                meta["input_token_ids_logprobs"] = [_entries(top[k:], with_text) if lp is not None
-                                                    else None for lp, _, _, top in entries]  # fmt: skip
+                meta["input_token_ids_logprobs"] = [_entries(_split(row, n)[1], with_text) if lp is not None
+                                                    else None for lp, _, _, row in entries]  # fmt: skip
     return meta
 
 

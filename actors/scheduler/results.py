@@ -136,10 +136,9 @@ def _apply_entry(
         finish, matched = FinishReason.LENGTH, None
     else:
         finish, matched = None, None
-    ask_top = len(res.top_logprobs) == len(res.rows)
     lps = [res.logprobs[k]] if sp.return_logprob and k < len(res.logprobs) else None
-    ask_top = ask_top and (sp.top_logprobs_num > 0 or bool(sp.token_ids_logprob))
-    top = [res.top_logprobs[k]] if ask_top else None
+    ask_top = sp.top_logprobs_num > 0 or bool(sp.token_ids_logprob)
+    top = [res.top_logprobs[k]] if ask_top and len(res.top_logprobs) == len(res.rows) else None
     if finish is None:
         core._emit(req, [token], lps, top, plp, prompt_top=ptop)
     else:

@@ -4,6 +4,9 @@
   health_timeout_s; 503 when it does not, or an actor died, or the server is draining.
 - /health_generate: 200 when a one-token generation (input_ids [0]) finishes in time.
 - /get_model_info, /get_server_info: what is served, with what settings and load.
+- /get_load: SGLang's per-rank load list, `[{dp_rank, num_reqs, num_waiting_reqs,
+  num_tokens}]` (num_reqs counts running and waiting requests; num_tokens the KV
+  tokens held), from the scheduler's latest SchedulerStats (one per tick, 0.25 s).
 - /metrics: Prometheus text (only with enable_metrics; 404 otherwise).
 - /flush_cache (admin): drops the prefix cache through the cache manager. Like SGLang,
   refused (400) while requests are in flight: their prefixes are locked.
@@ -107,6 +110,20 @@ async def get_server_info(request: web.Request) -> web.Response:
         "dead_actors": dict(ctx.engine.dead),
         "internal_states": [msgspec.structs.asdict(stats) if stats else {}],
     })  # fmt: skip
+
+
+@routes.get("/get_load")
+async def get_load(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    stats = ctx.engine.stats
+    running, waiting, pages = (
+        (stats.num_running, stats.num_waiting, stats.num_used_pages) if stats else (0, 0, 0)
+    )
+    page_size = int(ctx.config.server_info.get("page_size") or 1)
+    return json_response([{
+        "dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting,
+        "num_tokens": pages * page_size,
+    }])  # fmt: skip
 
 
 @routes.get("/metrics")

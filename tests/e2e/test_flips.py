@@ -1,12 +1,13 @@
 """Weights flips against the real server (gateway/flips.py): /update_weights_from_disk
 with the served checkpoint itself (so the shared server's outputs stay what the other
 tests expect), with a running request that drains or is retracted, and with a
-checkpoint that cannot be loaded."""
+checkpoint that cannot be loaded; and the admin views around them (/get_load)."""
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -175,3 +176,32 @@ def test_a_second_weights_flip_while_one_runs_gets_409(server, served_path):
     t.join(300)
     status, out = first["out"]
     assert status == 200 and out["success"] and out["num_paused_requests"] == 1, out
+
+
+def get_load(server):
+    with urllib.request.urlopen(server.base_url + "/get_load", timeout=30) as r:
+        return json.loads(r.read())
+
+
+def poll_load(server, ok, timeout_s=30.0):
+    """/get_load's one rank once `ok` holds for it (the figures follow the scheduler's
+    ticks), else the last seen."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        load = get_load(server)
+        if ok(load[0]) or time.monotonic() > deadline:
+            return load
+        time.sleep(0.05)
+
+
+def test_get_load_counts_a_running_request_and_its_kv(server):
+    """SGLang's /get_load: one rank; a running request shows in num_reqs with its KV
+    tokens held, and leaves once it finished."""
+    with stream_running(server, "Count slowly", {"max_new_tokens": 150, "ignore_eos": True}) as s:
+        load = poll_load(server, lambda r: r["num_reqs"] >= 1)
+        assert len(load) == 1 and set(load[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs",
+                                                   "num_tokens"}, load  # fmt: skip
+        assert load[0]["dp_rank"] == 0 and load[0]["num_reqs"] >= 1 and load[0]["num_tokens"] > 0
+        assert last_event(s)["meta_info"]["finish_reason"]["type"] == "length"
+    load = poll_load(server, lambda r: r["num_reqs"] == 0)
+    assert load[0]["num_reqs"] == 0 and load[0]["num_waiting_reqs"] == 0, load

@@ -5,9 +5,10 @@ Routes (SGLang's and OpenAI's paths):
     POST /v1/tokenize, /v1/detokenize                                  (openai_api.py)
     POST /generate                                                     (native_api.py)
     POST /v1/score                                                     (score_api.py)
-    GET /health, /health_generate, /get_model_info, /get_server_info, /metrics;
-    POST /flush_cache, /abort_request, /update_weights_from_disk, /pause_generation,
-    /continue_generation (admin)                                       (admin.py)
+    GET /health, /health_generate, /get_model_info, /get_server_info, /get_load,
+    /metrics; POST /flush_cache, /abort_request, /update_weights_from_disk,
+    /pause_generation, /continue_generation (admin)                    (admin.py)
+    GET or POST /start_profile, /stop_profile (admin)                  (profile_api.py)
 
 Auth: with an api key set, every endpoint requires `Authorization: Bearer <key>`;
 admin endpoints require the admin key when one is set. Errors are OpenAI-style bodies
@@ -41,7 +42,8 @@ log = structlog.get_logger(actor="gateway")
 json_encoder = msgspec.json.Encoder()
 
 ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request", "/update_weights_from_disk",
-                         "/pause_generation", "/continue_generation"})  # fmt: skip
+                         "/pause_generation", "/continue_generation", "/start_profile",
+                         "/stop_profile"})  # fmt: skip
 
 
 class Ctx:
@@ -181,7 +183,7 @@ async def error_middleware(request: web.Request, handler):
 
 
 def build_app(ctx: Ctx) -> web.Application:
-    from shunter.gateway import admin, native_api, openai_api, score_api
+    from shunter.gateway import admin, native_api, openai_api, profile_api, score_api
 
     app = web.Application(
         middlewares=[error_middleware, auth_middleware],
@@ -192,4 +194,5 @@ def build_app(ctx: Ctx) -> web.Application:
     app.add_routes(native_api.routes)
     app.add_routes(score_api.routes)
     app.add_routes(admin.routes)
+    app.add_routes(profile_api.routes)
     return app

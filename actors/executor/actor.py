@@ -6,8 +6,9 @@ Entry point for `shunter serve`:
 
 Theory of operation: loads the model and sizes the KV pool in a worker thread (seconds,
 under a progress bar; `core` skips that when the caller already built one), subscribes
-to ForwardBatch and UpdateWeights, publishes `Ready(actor="executor", info=...)` (what the cache manager
-and scheduler size themselves from: num_pages, page_size, max_context_len, vocab_size,
+to ForwardBatch, UpdateWeights and the profile messages, publishes
+`Ready(actor="executor", info=...)` (what the cache manager and scheduler size
+themselves from: num_pages, page_size, max_context_len, vocab_size,
 eos_token_ids as a comma-separated string), then feeds every batch to
 `ExecutorCore.submit` in a worker thread, so the event loop keeps moving messages while
 the model computes. submit launches the batch and answers the one submitted before it,
@@ -25,6 +26,9 @@ time from its batch's submit to its result. Runs until cancelled.
 A flip's UpdateWeights comes when nothing runs: the step in flight, if any, is flushed,
 the new checkpoint is copied into the live weights in a worker thread (reload.py), and
 WeightsUpdated says whether it was (a refused one leaves the old weights serving).
+ProfileStart and ProfileStop (the gateway's /start_profile, /stop_profile) start and
+end a torch.profiler session between batches (profiling.py); a session asked for a
+number of steps ends by itself once that many results are published.
 
 A malformed batch or a failed forward is a StepResult with `error` (the core's job);
 a failure to load is actor-scoped: LoadError propagates to the supervisor.
@@ -48,12 +52,24 @@ from shunter.actors.executor.build import build_core
 from shunter.actors.executor.config import ExecutorConfig
 from shunter.actors.executor.core import ExecutorCore
 from shunter.actors.executor.loader import LoadError
+from shunter.actors.executor.profiling import Profiler
 from shunter.actors.executor.reload import reload_weights
-from shunter.bus.messages import ForwardBatch, Ready, StepResult, UpdateWeights, WeightsUpdated
+from shunter.bus.messages import (
+    ForwardBatch,
+    ProfileStart,
+    ProfileStop,
+    Ready,
+    StepResult,
+    UpdateWeights,
+    WeightsUpdated,
+)
 from shunter.bus.subscription import Subscription
 from shunter.bus.transport import Bus
 
 log = structlog.get_logger(actor="executor")
+
+INBOX = (ForwardBatch, UpdateWeights, ProfileStart, ProfileStop)
+Inbound = ForwardBatch | UpdateWeights | ProfileStart | ProfileStop
 
 
 def ready_info(core: ExecutorCore) -> dict[str, int | float | str]:
@@ -77,7 +93,7 @@ def ready_info(core: ExecutorCore) -> dict[str, int | float | str]:
 async def run(config: ExecutorConfig, bus: Bus, *, core: ExecutorCore | None = None) -> None:
     if core is None:
         core = await anyio.to_thread.run_sync(build_core, config)
-    async with bus.subscribe(types=(ForwardBatch, UpdateWeights)) as sub:
+    async with bus.subscribe(types=INBOX) as sub:
         await bus.publish(Ready("executor", config.actor_id, ready_info(core)))
         log.info("executor ready", actor_id=config.actor_id)
         await _serve(core, config, sub, bus)
@@ -88,23 +104,29 @@ async def _serve(core: ExecutorCore, config: ExecutorConfig, sub: Subscription, 
     a submit when the step in flight is already done (always on a CPU, where a forward
     runs inside submit: holding its result through the next forward would only delay
     it by a step). UpdateWeights comes between batches: what is in flight is flushed
-    first."""
+    first. A profile's start or stop is handled as it comes (profiling.py)."""
     submitted: deque[int] = deque()  # perf_counter_ns at the submit of each unanswered step
+    prof = Profiler(config.actor_id, core.runner.device)
+    out = _Out(bus, submitted, prof)
     batch = await _receive(sub)
     while batch is not None:
         if isinstance(batch, UpdateWeights):
             if submitted:
-                await _publish(bus, await anyio.to_thread.run_sync(core.flush), submitted)
+                await out.publish(await anyio.to_thread.run_sync(core.flush))
             await bus.publish(await anyio.to_thread.run_sync(_update, core, config, batch))
+        elif isinstance(batch, ProfileStart | ProfileStop):
+            await bus.publish(await anyio.to_thread.run_sync(prof.handle, batch))
+        else:
+            if submitted and core.step_ready():
+                await out.publish(await anyio.to_thread.run_sync(core.flush))
+            submitted.append(time.perf_counter_ns())
+            await out.publish(await anyio.to_thread.run_sync(core.submit, batch))
+        if not submitted:
             batch = await _receive(sub)
             continue
-        if submitted and core.step_ready():
-            await _publish(bus, await anyio.to_thread.run_sync(core.flush), submitted)
-        submitted.append(time.perf_counter_ns())
-        await _publish(bus, await anyio.to_thread.run_sync(core.submit, batch), submitted)
         batch = _receive_nowait(sub) or await _receive_unless_ready(core, sub)
         if batch is None:
-            await _publish(bus, await anyio.to_thread.run_sync(core.flush), submitted)
+            await out.publish(await anyio.to_thread.run_sync(core.flush))
             batch = await _receive(sub)
 
 
@@ -118,15 +140,13 @@ def _update(core: ExecutorCore, config: ExecutorConfig, msg: UpdateWeights) -> W
     return WeightsUpdated(msg.flip_id, True, what)
 
 
-async def _receive_unless_ready(
-    core: ExecutorCore, sub: Subscription
-) -> ForwardBatch | UpdateWeights | None:
+async def _receive_unless_ready(core: ExecutorCore, sub: Subscription) -> Inbound | None:
     """The next batch if it arrives before the step in flight is done on the device,
     else None (also once the subscription is closed). Receiving is cancellation-safe
     (a message being handed over when the race ends stays queued)."""
     if core.step_ready():
         return None
-    got: list[ForwardBatch | UpdateWeights | None] = []
+    got: list[Inbound | None] = []
     async with anyio.create_task_group() as tg:
 
         async def ready() -> None:
@@ -144,30 +164,39 @@ async def _receive_unless_ready(
     return got[0] if got else None
 
 
-async def _receive(sub: Subscription) -> ForwardBatch | UpdateWeights | None:
+async def _receive(sub: Subscription) -> Inbound | None:
     """The next message, waiting for it; None once the subscription is closed."""
     try:
         msg = (await sub.receive()).msg
     except (anyio.ClosedResourceError, anyio.EndOfStream):
         return None
-    assert isinstance(msg, ForwardBatch | UpdateWeights)
+    assert isinstance(msg, INBOX)
     return msg
 
 
-def _receive_nowait(sub: Subscription) -> ForwardBatch | UpdateWeights | None:
+def _receive_nowait(sub: Subscription) -> Inbound | None:
     """The next message if one is already queued, else None."""
     try:
         msg = sub.receive_nowait().msg
     except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.EndOfStream):
         return None
-    assert isinstance(msg, ForwardBatch | UpdateWeights)
+    assert isinstance(msg, INBOX)
     return msg
 
 
-async def _publish(bus: Bus, results: list[StepResult], submitted: deque[int]) -> None:
-    now = time.perf_counter_ns()
-    for out in results:
-        forward_us = (now - submitted.popleft()) // 1000
-        if out.error is not None:
-            log.warning("step failed", step_id=out.step_id, error=out.error)
-        await bus.publish(msgspec.structs.replace(out, forward_us=forward_us))
+class _Out:
+    """Publishes step results, each stamped with its forward time, and ends a profile
+    whose steps are all recorded."""
+
+    def __init__(self, bus: Bus, submitted: deque[int], prof: Profiler) -> None:
+        self.bus, self.submitted, self.prof = bus, submitted, prof
+
+    async def publish(self, results: list[StepResult]) -> None:
+        now = time.perf_counter_ns()
+        for out in results:
+            forward_us = (now - self.submitted.popleft()) // 1000
+            if out.error is not None:
+                log.warning("step failed", step_id=out.step_id, error=out.error)
+            await self.bus.publish(msgspec.structs.replace(out, forward_us=forward_us))
+            if self.prof.step_done():
+                await self.bus.publish(await anyio.to_thread.run_sync(self.prof.stop))

@@ -46,6 +46,7 @@ from shunter.bus.messages.health import (
     Ready,
     Shutdown,
 )
+from shunter.bus.messages.profile import ProfileStart, ProfileStatus, ProfileStop
 from shunter.bus.messages.request import (
     AbortRequest,
     ChatMessage,
@@ -86,6 +87,7 @@ ALL_MESSAGES: tuple[type[Msg], ...] = (
     SpillPages, PagesSpilled, LoadPages, PagesLoaded,
     FlipBegin, AdmissionPaused, FlipCutover, FlipDone, FlipQuiesced, UpdateWeights,
     WeightsUpdated, Ready, Heartbeat, HealthPing, HealthPong, ActorDied, Shutdown, BusGap, DecodeFailed,
+    ProfileStart, ProfileStop, ProfileStatus,
 )  # fmt: skip
 
 # Any message at all: what the recorder and `busctl` decode with.
@@ -103,7 +105,7 @@ __all__ = [
     "FreeRefused",
     "GenerateRequest", "HealthPing", "HealthPong", "Heartbeat", "LeaseGranted",
     "LeaseRequest", "LeaseReturned", "LoadPages", "Matched", "Msg", "PagesLoaded",
-    "PagesSpilled", "Ready", "RefreshMatch", "RequestFailed", "RequestOutput", "RowOpen",
+    "PagesSpilled", "ProfileStart", "ProfileStatus", "ProfileStop", "Ready", "RefreshMatch", "RequestFailed", "RequestOutput", "RowOpen",
     "SamplingParams", "SchedulerCensus", "SchedulerConfigured", "SchedulerStats", "SequenceReleased", "Shutdown",
     "SpillPages", "StepResult", "TextDelta", "TextDeltas", "Tick", "TokenizeQuery", "TokenizeReply",
     "Tokenized", "TokensOut", "TopLogprob", "TreeDropped", "UpdateWeights", "WeightsUpdated",

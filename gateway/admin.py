@@ -21,6 +21,12 @@
   (SGLang's, default abort; in_place is served as retract); returns once nothing runs
   (requests ended, back in the queue, or finished); new requests wait.
   /continue_generation (admin) lets them all go on.
+- /release_memory_occupation (admin): `{"tags": [...], "timeout": s}` (SGLang's tags
+  "weights", "kv_cache", "cuda_graph"; default all): once running requests finished,
+  the executor gives up that device memory (the weights wait on the host, the KV cache
+  and the prefix cache are dropped) and new requests wait; /resume_memory_occupation
+  (admin) `{"tags": [...]}` takes it back, and requests run again once nothing is
+  released. /update_weights_from_disk works while only the KV cache is released.
 """
 
 from __future__ import annotations
@@ -108,6 +114,7 @@ async def get_server_info(request: web.Request) -> web.Response:
         "max_context_len": cfg.max_context_len, "version": _version(),
         "gateway": msgspec.structs.asdict(ctx.engine.statistics()),
         "dead_actors": dict(ctx.engine.dead),
+        "memory_released": sorted(ctx.engine.flips.released),
         "internal_states": [msgspec.structs.asdict(stats) if stats else {}],
     })  # fmt: skip
 
@@ -231,6 +238,45 @@ async def pause_generation(request: web.Request) -> web.Response:
     retract = body.mode in ("retract", "in_place")
     num = await flips.pause(flip_id, retract=retract, timeout_s=body.timeout)
     return json_response({"success": True, "num_paused_requests": num})
+
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+class MemoryBody(msgspec.Struct, kw_only=True):
+    tags: list[str] | None = None  # None: all
+    timeout: float | None = None  # release: seconds to wait for running requests
+
+
+def _memory_body(raw: bytes) -> tuple[list[str], float | None]:
+    body = decode_body(raw, MemoryBody) if raw.strip() else MemoryBody()
+    tags = list(MEMORY_TAGS) if body.tags is None else body.tags
+    if not tags or any(t not in MEMORY_TAGS for t in tags) or len(set(tags)) < len(tags):
+        raise bad_request(f"tags must be distinct, some of {list(MEMORY_TAGS)}; got {tags}",
+                          param="tags")  # fmt: skip
+    _check_timeout(body.timeout)
+    return tags, body.timeout
+
+
+@routes.route("GET", "/release_memory_occupation")
+@routes.route("POST", "/release_memory_occupation")
+async def release_memory_occupation(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    tags, timeout = _memory_body(await read_body(request))
+    ctx.engine.check_available()
+    flips = ctx.engine.flips
+    message = await flips.release_memory(new_id("release-"), tags, timeout_s=timeout)
+    return json_response({"success": True, "message": message, "released": sorted(flips.released)})
+
+
+@routes.route("GET", "/resume_memory_occupation")
+@routes.route("POST", "/resume_memory_occupation")
+async def resume_memory_occupation(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    tags, _ = _memory_body(await read_body(request))
+    flips = ctx.engine.flips
+    message = await flips.resume_memory(tags)
+    return json_response({"success": True, "message": message, "released": sorted(flips.released)})
 
 
 @routes.post("/continue_generation")

@@ -7,7 +7,8 @@ Routes (SGLang's and OpenAI's paths):
     POST /v1/score                                                     (score_api.py)
     GET /health, /health_generate, /get_model_info, /get_server_info, /get_load,
     /metrics; POST /flush_cache, /abort_request, /update_weights_from_disk,
-    /pause_generation, /continue_generation (admin)                    (admin.py)
+    /pause_generation, /continue_generation; GET or POST
+    /release_memory_occupation, /resume_memory_occupation (admin)      (admin.py)
     GET or POST /start_profile, /stop_profile (admin)                  (profile_api.py)
 
 Auth: with an api key set, every endpoint requires `Authorization: Bearer <key>`;
@@ -43,7 +44,8 @@ json_encoder = msgspec.json.Encoder()
 
 ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request", "/update_weights_from_disk",
                          "/pause_generation", "/continue_generation", "/start_profile",
-                         "/stop_profile"})  # fmt: skip
+                         "/stop_profile", "/release_memory_occupation",
+                         "/resume_memory_occupation"})  # fmt: skip
 
 
 class Ctx:

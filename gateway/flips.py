@@ -1,5 +1,7 @@
 """Flips driven from the gateway: new weights from disk (`/update_weights_from_disk`),
-and a pause of generation (`/pause_generation` ... `/continue_generation`).
+a pause of generation (`/pause_generation` ... `/continue_generation`), and the
+device memory given up and taken back (`/release_memory_occupation` ...
+`/resume_memory_occupation`).
 
 Theory of operation: a flip is a sequence of bus events, each answered by the actor that
 owns the state it changes, and the gateway only sequences them:
@@ -19,7 +21,18 @@ checkpoint the executor refuses (not found, another shape) leaves the old weight
 the cache as they were, and the flip still ends (FlipDone with ok false), so admission
 never stays paused. One weights flip runs at a time. A pause is a flip of kind "pause"
 that stays open (FlipBegin, FlipQuiesced) until continued (FlipDone); a weights flip
-may run inside it, as a trainer syncing weights does.
+may run inside it, as a trainer syncing weights does. A memory release is a flip of
+kind "release_memory" that stays open while anything is released:
+
+    FlipBegin ... FlipQuiesced      as above, on the first release
+    DropTree                     -> cache manager (when the KV cache goes)
+    ReleaseMemory                -> executor: memory given up       (MemoryState)
+    ... later, once or in parts ...
+    ResumeMemory                 -> executor: memory taken back     (MemoryState)
+    FlipDone                        once nothing is released
+
+A weights flip may run inside it once the weights are back (an RL trainer resumes the
+weights, syncs them, then resumes the KV cache).
 
 Invariants: FlipDone is published once FlipBegin was, whatever happened between
 (timeout, refusal, cancellation of the HTTP request). The drain may be cancelled (the
@@ -43,6 +56,9 @@ from shunter.bus.messages import (
     FlipBegin,
     FlipDone,
     FlipQuiesced,
+    MemoryState,
+    ReleaseMemory,
+    ResumeMemory,
     TreeDropped,
     UpdateWeights,
     WeightsUpdated,
@@ -69,6 +85,8 @@ class Flips:
         self.model_path: str | None = None  # the checkpoint now served, once updated
         self.paused: str | None = None  # the flip id of /pause_generation, until continued
         self._pausing: anyio.CancelScope | None = None  # a pause waiting for the drain
+        self.released: set[str] = set()  # device memory given up (ReleaseMemory's tags)
+        self.memory_flip: str | None = None  # the flip holding admission meanwhile
         self._lock = anyio.Lock()
 
     async def pause(self, flip_id: str, *, retract: bool, timeout_s: float | None) -> int:
@@ -125,6 +143,8 @@ class Flips:
         flip runs; 504 when a stage does not answer in time (the flip is ended)."""
         if self._lock.locked():
             raise APIError(409, "another flip is in progress; retry when it is done")
+        if "weights" in self.released:
+            raise APIError(400, "the weights are released; resume them first")
         async with self._lock:
             types = (AdmissionPaused, FlipQuiesced, WeightsUpdated, TreeDropped)
             async with self.bus.subscribe(types=types) as sub:
@@ -143,6 +163,77 @@ class Flips:
                     with anyio.CancelScope(shield=True):
                         await self.bus.publish(FlipDone(flip_id, self.version, ok, message))
         return FlipOutcome(ok, message, num_paused)
+
+    async def release_memory(self, flip_id: str, tags: list[str], *,
+                             timeout_s: float | None = None) -> str:  # fmt: skip
+        """Give up the executor's device memory of `tags` (SGLang's
+        /release_memory_occupation; actors/executor/memory.py): the first release opens
+        a flip that holds admission until everything is resumed, once the running
+        requests finished (within timeout_s); releasing the KV cache drops the prefix
+        cache first. What the executor did. APIError 400 for a tag released already,
+        409 while another flip runs, 500 when the executor refuses."""
+        taken = sorted(set(tags) & self.released)
+        if taken:
+            raise APIError(400, f"{taken} released already")
+        if self._lock.locked():
+            raise APIError(409, "another flip is in progress; retry when it is done")
+        async with self._lock:
+            types = (AdmissionPaused, FlipQuiesced, TreeDropped, MemoryState)
+            async with self.bus.subscribe(types=types) as sub:
+                if self.memory_flip is None:
+                    begin = FlipBegin(flip_id, "release_memory", {"tags": ",".join(tags)})
+                    self.memory_flip = flip_id
+                    try:
+                        await self._hold(sub, begin, timeout_s)
+                    except BaseException:
+                        with anyio.CancelScope(shield=True):
+                            await self._end_memory_flip(False, "not released")
+                        raise
+                held = self.memory_flip
+                with anyio.CancelScope(shield=True):  # from here on it runs to its end
+                    if "kv_cache" in tags:
+                        await self.bus.publish(DropTree(held, include_locked=True))
+                        await self._next(sub, held, TreeDropped, self.load_timeout_s)
+                    await self.bus.publish(ReleaseMemory(held, list(tags)))
+                    try:
+                        state = await self._next(sub, held, MemoryState, self.load_timeout_s)
+                    except APIError:  # it may have been released: a resume can tell
+                        self.released |= set(tags)
+                        raise
+                    self.released = set(state.released)
+                    if not self.released:
+                        await self._end_memory_flip(False, state.message)
+        if not state.ok:
+            raise APIError(500, state.message)
+        return state.message
+
+    async def resume_memory(self, tags: list[str]) -> str:
+        """Take back the device memory of `tags` (/resume_memory_occupation); the flip
+        ends, and admission resumes, once nothing is released. APIError 400 for a tag
+        not released, 409 while another flip runs, 500 when the executor refuses."""
+        missing = sorted(set(tags) - self.released)
+        if missing:
+            raise APIError(400, f"{missing} not released")
+        if self._lock.locked():
+            raise APIError(409, "another flip is in progress; retry when it is done")
+        async with self._lock:
+            held = self.memory_flip
+            assert held is not None
+            async with self.bus.subscribe(types=(MemoryState,)) as sub:
+                with anyio.CancelScope(shield=True):
+                    await self.bus.publish(ResumeMemory(held, list(tags)))
+                    state = await self._next(sub, held, MemoryState, self.load_timeout_s)
+                    self.released = set(state.released)
+                    if not self.released:
+                        await self._end_memory_flip(True, "resumed")
+        if not state.ok:
+            raise APIError(500, state.message)
+        return state.message
+
+    async def _end_memory_flip(self, ok: bool, message: str) -> None:
+        flip_id, self.memory_flip = self.memory_flip, None
+        if flip_id is not None:
+            await self.bus.publish(FlipDone(flip_id, self.version, ok, message))
 
     async def _hold(
         self, sub, begin: FlipBegin, drain_timeout_s: float | None, drain_scope=None

@@ -26,6 +26,9 @@ time from its batch's submit to its result. Runs until cancelled.
 A flip's UpdateWeights comes when nothing runs: the step in flight, if any, is flushed,
 the new checkpoint is copied into the live weights in a worker thread (reload.py), and
 WeightsUpdated says whether it was (a refused one leaves the old weights serving).
+ReleaseMemory and ResumeMemory come the same way and give up or take back the device
+memory of the weights, the KV cache and the decode graphs (memory.py); MemoryState
+says what is released now.
 ProfileStart and ProfileStop (the gateway's /start_profile, /stop_profile) start and
 end a torch.profiler session between batches (profiling.py); a session asked for a
 number of steps ends by itself once that many results are published.
@@ -52,13 +55,17 @@ from shunter.actors.executor.build import build_core
 from shunter.actors.executor.config import ExecutorConfig
 from shunter.actors.executor.core import ExecutorCore
 from shunter.actors.executor.loader import LoadError
+from shunter.actors.executor.memory import DeviceMemory
 from shunter.actors.executor.profiling import Profiler
 from shunter.actors.executor.reload import reload_weights
 from shunter.bus.messages import (
     ForwardBatch,
+    MemoryState,
     ProfileStart,
     ProfileStop,
     Ready,
+    ReleaseMemory,
+    ResumeMemory,
     StepResult,
     UpdateWeights,
     WeightsUpdated,
@@ -68,8 +75,9 @@ from shunter.bus.transport import Bus
 
 log = structlog.get_logger(actor="executor")
 
-INBOX = (ForwardBatch, UpdateWeights, ProfileStart, ProfileStop)
-Inbound = ForwardBatch | UpdateWeights | ProfileStart | ProfileStop
+INBOX = (ForwardBatch, UpdateWeights, ReleaseMemory, ResumeMemory, ProfileStart, ProfileStop)
+Inbound = ForwardBatch | UpdateWeights | ReleaseMemory | ResumeMemory | ProfileStart | ProfileStop
+FLIPS = (UpdateWeights, ReleaseMemory, ResumeMemory)  # come when nothing runs
 
 
 def ready_info(core: ExecutorCore) -> dict[str, int | float | str]:
@@ -107,13 +115,14 @@ async def _serve(core: ExecutorCore, config: ExecutorConfig, sub: Subscription, 
     first. A profile's start or stop is handled as it comes (profiling.py)."""
     submitted: deque[int] = deque()  # perf_counter_ns at the submit of each unanswered step
     prof = Profiler(config.actor_id, core.runner.device)
+    memory = DeviceMemory(core)
     out = _Out(bus, submitted, prof)
     batch = await _receive(sub)
     while batch is not None:
-        if isinstance(batch, UpdateWeights):
+        if isinstance(batch, FLIPS):
             if submitted:
                 await out.publish(await anyio.to_thread.run_sync(core.flush))
-            await bus.publish(await anyio.to_thread.run_sync(_update, core, config, batch))
+            await bus.publish(await anyio.to_thread.run_sync(_flip, core, config, memory, batch))
         elif isinstance(batch, ProfileStart | ProfileStop):
             await bus.publish(await anyio.to_thread.run_sync(prof.handle, batch))
         else:
@@ -128,6 +137,23 @@ async def _serve(core: ExecutorCore, config: ExecutorConfig, sub: Subscription, 
         if batch is None:
             await out.publish(await anyio.to_thread.run_sync(core.flush))
             batch = await _receive(sub)
+
+
+def _flip(core: ExecutorCore, config: ExecutorConfig, memory: DeviceMemory,
+          msg: UpdateWeights | ReleaseMemory | ResumeMemory) -> WeightsUpdated | MemoryState:  # fmt: skip
+    if isinstance(msg, UpdateWeights):
+        if "weights" in memory.released:
+            return WeightsUpdated(msg.flip_id, False, "the weights are released; resume them first")
+        return _update(core, config, msg)
+    try:
+        if isinstance(msg, ReleaseMemory):
+            what = memory.release(msg.tags)
+        else:
+            what = memory.resume(msg.tags)
+    except ValueError as e:
+        return MemoryState(msg.flip_id, False, sorted(memory.released), str(e))
+    log.info("device memory", flip_id=msg.flip_id, what=what, released=sorted(memory.released))
+    return MemoryState(msg.flip_id, True, sorted(memory.released), what)
 
 
 def _update(core: ExecutorCore, config: ExecutorConfig, msg: UpdateWeights) -> WeightsUpdated:

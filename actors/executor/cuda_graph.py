@@ -136,6 +136,17 @@ class DecodeGraphs:
         torch.cuda.current_stream(r.device).wait_stream(stream)
         torch.cuda.synchronize(r.device)
 
+    def drop(self) -> None:
+        """Forget the captured graphs (their memory pool goes with them): the storage
+        they were captured over is about to change (memory.py); `capture_all` again
+        once it is back."""
+        self._graphs.clear()
+        self._outputs.clear()
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._graphs) or not self.capture
+
     # ---- replay ---------------------------------------------------------------------
 
     def run(self, inp: ForwardInput, out_slots: torch.Tensor) -> torch.Tensor:

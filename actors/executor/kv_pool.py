@@ -85,6 +85,26 @@ class KVPool:
         self.k_buffers = list(self.k_all.unbind(0))
         self.v_buffers = list(self.v_all.unbind(0))
 
+    @property
+    def released(self) -> bool:
+        return self.k_all.numel() == 0
+
+    def release(self) -> int:
+        """Give up the K/V storage (its contents are lost); the tensors stay, empty, so
+        whatever holds them sees the change. Returns the bytes freed."""
+        freed = self.k_all.nbytes + self.v_all.nbytes
+        self._shape = self.k_all.shape
+        for t in (self.k_all, self.v_all, *self.k_buffers, *self.v_buffers):
+            t.data = torch.empty(0, dtype=self.dtype, device=self.device)
+        return freed
+
+    def resume(self) -> None:
+        """New K/V storage, zeroed, in the same tensors (each layer's a view into it)."""
+        self.k_all.data = torch.zeros(self._shape, dtype=self.dtype, device=self.device)
+        self.v_all.data = torch.zeros(self._shape, dtype=self.dtype, device=self.device)
+        for i, (k, v) in enumerate(zip(self.k_buffers, self.v_buffers, strict=True)):
+            k.data, v.data = self.k_all[i], self.v_all[i]
+
     @classmethod
     def from_budget(
         cls,

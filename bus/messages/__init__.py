@@ -33,6 +33,9 @@ from shunter.bus.messages.flip import (
     FlipCutover,
     FlipDone,
     FlipQuiesced,
+    MemoryState,
+    ReleaseMemory,
+    ResumeMemory,
     UpdateWeights,
     WeightsUpdated,
 )
@@ -87,7 +90,7 @@ ALL_MESSAGES: tuple[type[Msg], ...] = (
     SpillPages, PagesSpilled, LoadPages, PagesLoaded,
     FlipBegin, AdmissionPaused, FlipCutover, FlipDone, FlipQuiesced, UpdateWeights,
     WeightsUpdated, Ready, Heartbeat, HealthPing, HealthPong, ActorDied, Shutdown, BusGap, DecodeFailed,
-    ProfileStart, ProfileStop, ProfileStatus,
+    ProfileStart, ProfileStop, ProfileStatus, ReleaseMemory, ResumeMemory, MemoryState,
 )  # fmt: skip
 
 # Any message at all: what the recorder and `busctl` decode with.
@@ -104,8 +107,8 @@ __all__ = [
     "FinishReason", "FlipBegin", "FlipCutover", "FlipDone", "FlipQuiesced", "ForwardBatch",
     "FreeRefused",
     "GenerateRequest", "HealthPing", "HealthPong", "Heartbeat", "LeaseGranted",
-    "LeaseRequest", "LeaseReturned", "LoadPages", "Matched", "Msg", "PagesLoaded",
-    "PagesSpilled", "ProfileStart", "ProfileStatus", "ProfileStop", "Ready", "RefreshMatch", "RequestFailed", "RequestOutput", "RowOpen",
+    "LeaseRequest", "LeaseReturned", "LoadPages", "Matched", "MemoryState", "Msg", "PagesLoaded",
+    "PagesSpilled", "ProfileStart", "ProfileStatus", "ProfileStop", "Ready", "RefreshMatch", "ReleaseMemory", "RequestFailed", "ResumeMemory", "RequestOutput", "RowOpen",
     "SamplingParams", "SchedulerCensus", "SchedulerConfigured", "SchedulerStats", "SequenceReleased", "Shutdown",
     "SpillPages", "StepResult", "TextDelta", "TextDeltas", "Tick", "TokenizeQuery", "TokenizeReply",
     "Tokenized", "TokensOut", "TopLogprob", "TreeDropped", "UpdateWeights", "WeightsUpdated",

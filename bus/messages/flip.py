@@ -54,3 +54,27 @@ class WeightsUpdated(Msg, tag="flip.weights.done"):
     flip_id: str
     ok: bool
     message: str = ""  # why it failed (the old weights are still served), or what loaded
+
+
+class ReleaseMemory(Msg, tag="flip.release"):
+    """To the executor, once quiesced: give up the device memory of `tags` ("weights":
+    kept on the host meanwhile; "kv_cache": its contents are lost). Answered by
+    MemoryState."""
+
+    flip_id: str
+    tags: list[str]
+
+
+class ResumeMemory(Msg, tag="flip.resume"):
+    """To the executor: take back the memory of `tags` (weights as they were; an empty
+    KV cache). Answered by MemoryState."""
+
+    flip_id: str
+    tags: list[str]
+
+
+class MemoryState(Msg, tag="flip.memory"):
+    flip_id: str
+    ok: bool
+    released: list[str]  # what is released now
+    message: str = ""  # what was freed or taken back, or why not

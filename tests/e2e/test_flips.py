@@ -205,3 +205,39 @@ def test_get_load_counts_a_running_request_and_its_kv(server):
         assert last_event(s)["meta_info"]["finish_reason"]["type"] == "length"
     load = poll_load(server, lambda r: r["num_reqs"] == 0)
     assert load[0]["num_reqs"] == 0 and load[0]["num_waiting_reqs"] == 0, load
+
+
+def test_memory_released_and_resumed_as_an_rl_trainer_does(server, served_path):
+    """Release everything; a request waits meanwhile. Resume the weights, sync them,
+    resume the rest: the waiting request then runs, with the tokens it had before."""
+    before = greedy(server, "Hello there", 4)["output_ids"]
+    status, out = post(server, "/release_memory_occupation", {})
+    assert status == 200 and out["released"] == ["cuda_graph", "kv_cache", "weights"], out
+    assert json.loads(server.get("/get_server_info")[1])["memory_released"] == out["released"]
+    status, again = post(server, "/release_memory_occupation", {"tags": ["kv_cache"]})
+    assert status == 400 and "released already" in again["error"]["message"], again
+    late = {}
+    waiter = threading.Thread(target=lambda: late.update(out=greedy(server, "Hello there", 4)))
+    waiter.start()
+    waiter.join(1.0)
+    assert waiter.is_alive()  # held while the memory is away
+    status, out = post(server, "/update_weights_from_disk", {"model_path": served_path})
+    assert status == 400 and "released" in out["error"]["message"], out
+    status, out = post(server, "/resume_memory_occupation", {"tags": ["weights"]})
+    assert status == 200 and out["released"] == ["cuda_graph", "kv_cache"], out
+    status, out = post(server, "/update_weights_from_disk", {"model_path": served_path})
+    assert status == 200 and out["success"], out
+    assert waiter.is_alive()
+    status, out = post(server, "/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})
+    assert status == 200 and out["released"] == [], out
+    waiter.join(120)
+    assert late["out"]["output_ids"] == before
+    status, out = post(server, "/resume_memory_occupation", {"tags": ["weights"]})
+    assert status == 400 and "not released" in out["error"]["message"], out
+
+
+@pytest.mark.parametrize("tags", [["disk"], [], ["weights", "weights"], "weights"])
+def test_bad_memory_tags_are_400(server, tags):
+    for path in ("/release_memory_occupation", "/resume_memory_occupation"):
+        status, out = post(server, path, {"tags": tags})
+        assert status == 400 and "tags" in json.dumps(out["error"]), out

@@ -8,6 +8,7 @@ import gzip
 import json
 import threading
 
+import pytest
 import torch
 
 from shunter.actors.executor.profiling import Profiler
@@ -73,3 +74,24 @@ def test_refusals_say_why_and_leave_nothing_running(tmp_path):
         assert not prof.running
     assert prof.start(ProfileStart("p", str(tmp_path))).ok  # and a good one still starts
     assert prof.stop().ok
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_session_on_a_gpu_records_its_kernels(tmp_path):
+    prof = Profiler("executor.0", torch.device("cuda"))
+    assert prof.start(ProfileStart("prof-gpu", str(tmp_path))).ok
+
+    def work() -> None:
+        a = torch.randn(256, 256, device="cuda")
+        (a @ a).relu_()
+        torch.cuda.synchronize()
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    done = prof.stop("stop")
+    assert done.ok, done
+    with gzip.open(done.trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events)  # device kernels: any thread's

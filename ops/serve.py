@@ -118,7 +118,8 @@ def no_effect_notes(a: ServerArgs) -> list[str]:
 def actor_specs(a: ServerArgs) -> list[ActorSpec]:
     return [
         ActorSpec(EXECUTOR_ID, "executor", 0),
-        ActorSpec("tokenizer", "tokenizer", 0),
+        # without a tokenizer, it takes the vocabulary and eos ids from the executor
+        ActorSpec("tokenizer", "tokenizer", 1 if a.skip_tokenizer_init else 0),
         ActorSpec("cache", "cache", 1),
         ActorSpec("scheduler", "scheduler", 1),
         ActorSpec("gateway", "gateway", 2),
@@ -143,6 +144,7 @@ def _executor_facts(ready: Mapping[str, Ready]) -> dict[str, Any]:
         "num_pages": int(info["num_pages"]),
         "page_size": int(info["page_size"]),
         "max_context_len": int(info["max_context_len"]),
+        "vocab_size": int(info["vocab_size"]),
         "eos_token_ids": tuple(int(t) for t in eos.split(",") if t.strip()),
     }
 
@@ -178,11 +180,16 @@ def build_config(spec: ActorSpec, a: ServerArgs, ready: Mapping[str, Ready], see
         case "tokenizer":
             from shunter.actors.tokenizer.config import TokenizerConfig
 
+            facts: dict[str, Any] = {"context_len": a.context_length}
+            if a.skip_tokenizer_init:  # what a tokenizer would tell, from the executor
+                ex = _executor_facts(ready)
+                facts = {"skip_tokenizer_init": True, "vocab_size": ex["vocab_size"],
+                         "eos_token_ids": ex["eos_token_ids"],
+                         "context_len": ex["max_context_len"]}  # fmt: skip
             return TokenizerConfig(
                 actor_id=spec.actor_id, model_path=a.model_path, tokenizer_path=a.tokenizer_path,
-                chat_template=a.chat_template, context_len=a.context_length,
-                stream_interval=a.stream_interval,
-                non_stream_interval=max(a.stream_interval, 32),
+                chat_template=a.chat_template, stream_interval=a.stream_interval,
+                non_stream_interval=max(a.stream_interval, 32), **facts,
             )  # fmt: skip
         case "cache":
             from shunter.actors.cache_manager.config import CacheConfig

@@ -68,6 +68,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     trust_remote_code: bool = False  # accepted for compatibility: COMPAT_ONLY
     revision: str | None = None  # accepted for compatibility: COMPAT_ONLY
     tokenizer_mode: str = "auto"
+    skip_tokenizer_init: bool = False
 
     # server
     host: str = "127.0.0.1"
@@ -185,6 +186,8 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("revision", ("--revision",), "model",
      _compat("revision")),
     ("tokenizer_mode", ("--tokenizer-mode",), "model", "the HF fast tokenizer"),
+    ("skip_tokenizer_init", ("--skip-tokenizer-init",), "model",
+     "load no tokenizer: prompts are input_ids, outputs output_ids with empty text"),
 
     ("host", ("--host",), "server", "address to listen on"),
     ("port", ("--port",), "server", "HTTP port"),
@@ -262,7 +265,6 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
 REFUSED: dict[tuple[str, ...], str] = {
     ("--quantization",): "quantized checkpoints are not supported yet (--weight-format "
     "packs the projection weights of a float checkpoint for the CPU)",
-    ("--skip-tokenizer-init",): "serving without a tokenizer is not supported yet",
     ("--enable-lora", "--lora-paths"): "LoRA adapters are not supported yet",
     ("--speculative-algorithm",): "speculative decoding is not supported yet",
     ("--enable-dp-attention",): "data-parallel attention is not supported yet",

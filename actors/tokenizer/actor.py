@@ -30,7 +30,7 @@ import structlog
 
 from shunter.actors.tokenizer.config import TokenizerConfig
 from shunter.actors.tokenizer.core import INBOX_TYPES, TokenizerCore
-from shunter.actors.tokenizer.loading import TextCodec, load_codec
+from shunter.actors.tokenizer.loading import IdsCodec, TextCodec, load_codec
 from shunter.bus.messages import (
     AbortRequest,
     DetokenizeQuery,
@@ -79,7 +79,9 @@ def _failure_replies(msg: Msg, error: Exception) -> list[Msg]:
     return []
 
 
-async def run(config: TokenizerConfig, bus: Bus, *, codec: TextCodec | None = None) -> None:
+async def run(
+    config: TokenizerConfig, bus: Bus, *, codec: TextCodec | IdsCodec | None = None
+) -> None:
     if codec is None:
         codec = await anyio.to_thread.run_sync(load_codec, config)
     core = TokenizerCore(codec, config)
@@ -107,7 +109,7 @@ async def run(config: TokenizerConfig, bus: Bus, *, codec: TextCodec | None = No
 
 
 @functools.lru_cache(maxsize=4)
-def _codec_for(config: TokenizerConfig) -> TextCodec:
+def _codec_for(config: TokenizerConfig) -> TextCodec | IdsCodec:
     return load_codec(config)
 
 

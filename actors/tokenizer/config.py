@@ -33,6 +33,17 @@ class TokenizerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Where converted tokenizers (from GGUF metadata) are kept between starts; None is
     ~/.cache/shunter/tokenizers."""
 
+    skip_tokenizer_init: bool = False
+    """--skip-tokenizer-init: load no tokenizer; prompts must be token ids and outputs
+    carry no text. The vocabulary size and eos ids then come from the fields below
+    (the executor's, as `shunter serve` passes them) and context_len must be set."""
+
+    vocab_size: int | None = None
+    """The model's vocabulary size (only with skip_tokenizer_init)."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    """The model's eos ids (only with skip_tokenizer_init)."""
+
     actor_id: str = "tokenizer"
     """Instance name on the bus (Ready.actor_id, Envelope.publisher_id)."""
 
@@ -62,5 +73,7 @@ class TokenizerConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(
                 f"num_prompt_context_tokens must be >= 0, got {self.num_prompt_context_tokens}"
             )
+        if self.skip_tokenizer_init and (self.vocab_size is None or self.context_len is None):
+            raise ValueError("skip_tokenizer_init needs vocab_size and context_len")
         if not self.actor_id:
             raise ValueError("actor_id must not be empty")

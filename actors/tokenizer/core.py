@@ -19,6 +19,10 @@ id has that token's text trimmed unless `no_stop_trim`.
 
 `TokenizeQuery` / `DetokenizeQuery` from the gateway are answered directly.
 
+Without a tokenizer (--skip-tokenizer-init, loading.py's IdsCodec) prompts must be
+token ids, stop strings and text queries are refused, and every delta's text is empty:
+the ids pass through as they are.
+
 Invariants
 ----------
 - Every `GenerateRequest` gets exactly one answer: `Tokenized` or `RequestFailed`.
@@ -36,7 +40,7 @@ import msgspec
 from shunter.actors.tokenizer.chat import ChatTemplateError
 from shunter.actors.tokenizer.config import TokenizerConfig
 from shunter.actors.tokenizer.detok import IncrementalDetokenizer, StopStringMatcher
-from shunter.actors.tokenizer.loading import TextCodec
+from shunter.actors.tokenizer.loading import IdsCodec, TextCodec
 from shunter.bus.messages import (
     AbortRequest,
     ActorDied,
@@ -64,6 +68,9 @@ INBOX_TYPES = (
     GenerateRequest, TokensOut, AbortRequest, RequestFailed, ActorDied, TokenizeQuery,
     DetokenizeQuery,
 )  # fmt: skip
+
+
+NO_TOKENIZER = "this server runs without a tokenizer (--skip-tokenizer-init)"
 
 
 class TokenizerStats(msgspec.Struct, frozen=True):
@@ -121,7 +128,7 @@ class _Invalid(Exception):
 
 
 class TokenizerCore:
-    def __init__(self, codec: TextCodec, config: TokenizerConfig) -> None:
+    def __init__(self, codec: TextCodec | IdsCodec, config: TokenizerConfig) -> None:
         self.codec = codec
         self.config = config
         self.context_len = config.context_len or codec.context_len
@@ -161,6 +168,8 @@ class TokenizerCore:
         given = [x is not None for x in (req.text, getattr(req, "input_ids", None), req.messages)]
         if sum(given) != 1:
             raise _Invalid("invalid_request", "give exactly one of text, input_ids, messages")
+        if not self.codec.has_text and (req.text is not None or req.messages is not None):
+            raise _Invalid("invalid_request", f"{NO_TOKENIZER}: send input_ids, not text")
         if req.messages is not None:
             if not req.messages:
                 raise _Invalid("invalid_request", "messages must not be empty")
@@ -203,6 +212,9 @@ class TokenizerCore:
                 "invalid_request",
                 f"{len(sp.stop)} stop strings; at most {self.config.max_stop_strings}",
             )
+        if sp.stop and not self.codec.has_text:
+            raise _Invalid("invalid_request", f"{NO_TOKENIZER}: stop strings cannot match; "
+                           "use stop_token_ids")  # fmt: skip
         if any(not s for s in sp.stop):
             raise _Invalid("invalid_request", "stop strings must not be empty")
         if any(len(s) > self.config.max_stop_len_chars for s in sp.stop):
@@ -362,6 +374,8 @@ class TokenizerCore:
 
     def _answer_detokenize(self, q: DetokenizeQuery) -> DetokenizeReply:
         self._num_queries += 1
+        if not self.codec.has_text:
+            return DetokenizeReply(q.query_id, error=NO_TOKENIZER)
         bad = [i for i in q.tokens if not 0 <= i < self.codec.vocab_size]
         if bad:
             return DetokenizeReply(

@@ -44,6 +44,8 @@ class TextCodec:
     neighbours with a space when special tokens are kept), which the fast tokenizer
     library does not do itself."""
 
+    has_text = True
+
     def __init__(
         self,
         tokenizer: tokenizers.Tokenizer,
@@ -236,8 +238,42 @@ def _special_tokens(config: dict) -> dict[str, str]:
     return out
 
 
-def load_codec(config: TokenizerConfig) -> TextCodec:
-    """Load the tokenizer named by `config` (blocking; nothing is downloaded)."""
+class IdsCodec:
+    """A TextCodec with no tokenizer behind it (--skip-tokenizer-init): token ids pass
+    through, and every text is empty. The core refuses what needs text (text and chat
+    prompts, stop strings, tokenize queries) before any of it reaches here."""
+
+    has_text = False
+    chat_template = None
+    special_tokens: dict[str, str] = {}
+
+    def __init__(self, *, vocab_size: int, eos_token_ids: Sequence[int], context_len: int,
+                 name: str = "") -> None:  # fmt: skip
+        self.vocab_size = vocab_size
+        self.eos_token_ids: tuple[int, ...] = tuple(sorted(set(eos_token_ids)))
+        self.context_len = context_len
+        self.name = name
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        raise ValueError("no tokenizer is loaded (--skip-tokenizer-init)")
+
+    def render_chat(self, *args, **kwargs) -> str:
+        raise ValueError("no tokenizer is loaded (--skip-tokenizer-init)")
+
+    def decode(self, ids: Sequence[int], **kwargs) -> str:
+        return ""
+
+    def token_text(self, token_id: int) -> str:
+        return ""
+
+
+def load_codec(config: TokenizerConfig) -> TextCodec | IdsCodec:
+    """Load the tokenizer named by `config` (blocking; nothing is downloaded), or with
+    skip_tokenizer_init an IdsCodec of the config's facts."""
+    if config.skip_tokenizer_init:
+        assert config.vocab_size is not None and config.context_len is not None
+        return IdsCodec(vocab_size=config.vocab_size, eos_token_ids=config.eos_token_ids,
+                        context_len=config.context_len, name=config.model_path or "")  # fmt: skip
     source = resolve_model(config.model_path)
     tok_source = resolve_model(config.tokenizer_path) if config.tokenizer_path else source
     cache = pathlib.Path(config.cache_dir) if config.cache_dir else default_cache_dir()

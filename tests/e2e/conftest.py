@@ -178,3 +178,21 @@ def reference():
     return json.loads(
         (pathlib.Path(__file__).parents[1] / "data" / "smollm2_greedy_reference.json").read_text()
     )
+
+
+def call_json(server, path: str, body=None, method: str = "POST") -> tuple[int, dict]:
+    """One JSON request to `server`: (status, decoded body), error statuses included."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(server.base_url + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.fixture
+def call():
+    """`call(server, path, body=None, method="POST")`: `call_json`."""
+    return call_json

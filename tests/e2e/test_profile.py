@@ -8,23 +8,11 @@ import gzip
 import json
 import pathlib
 import time
-import urllib.request
 
 import pytest
 
 
-def call(server, path, body=None, method="POST"):
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(server.base_url + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def generate(server, n=4):
+def generate(call, server, n=4):
     status, out = call(server, "/generate", {
         "text": "Profile me", "sampling_params": {"max_new_tokens": n, "temperature": 0}})  # fmt: skip
     assert status == 200 and out["meta_info"]["completion_tokens"] == n, out
@@ -43,7 +31,7 @@ def local(server):
     return server
 
 
-def test_a_profile_of_n_steps_ends_by_itself(local, tmp_path):
+def test_a_profile_of_n_steps_ends_by_itself(local, call, tmp_path):
     status, out = call(local, "/start_profile", {"output_dir": str(tmp_path), "num_steps": 2,
                                                  "record_shapes": True})  # fmt: skip
     assert status == 200 and out["success"] and out["message"] == "Start profiling.", out
@@ -51,7 +39,7 @@ def test_a_profile_of_n_steps_ends_by_itself(local, tmp_path):
     assert path.parent == tmp_path and out["profile_id"] in path.name
     status, busy = call(local, "/start_profile", {"output_dir": str(tmp_path)})
     assert status == 409 and "already running" in busy["error"]["message"], busy
-    generate(local)  # five steps: a prefill and four decodes
+    generate(call, local)  # five steps: a prefill and four decodes
     deadline, ops = time.monotonic() + 60, set()
     while not ops and time.monotonic() < deadline:  # until the whole file is there
         try:
@@ -63,15 +51,15 @@ def test_a_profile_of_n_steps_ends_by_itself(local, tmp_path):
     assert status == 400 and "no profile" in none["error"]["message"], none
 
 
-def test_a_profile_runs_until_stopped(local, tmp_path):
+def test_a_profile_runs_until_stopped(local, call, tmp_path):
     status, out = call(local, "/start_profile", {"output_dir": str(tmp_path)}, method="POST")
     assert status == 200, out
-    generate(local, 3)
+    generate(call, local, 3)
     status, done = call(local, "/stop_profile", method="GET")
     assert status == 200 and done["success"] and done["num_steps"] >= 2, done
     assert done["profile_id"] == out["profile_id"] and done["trace_path"] == out["trace_path"]
     assert any(name.startswith("aten::") for name in trace_ops(done["trace_path"]))
-    generate(local, 2)  # and the server serves on
+    generate(call, local, 2)  # and the server serves on
 
 
 @pytest.mark.parametrize(
@@ -86,6 +74,6 @@ def test_a_profile_runs_until_stopped(local, tmp_path):
         ({"output_dir": ""}, "output_dir"),
     ],
 )  # fmt: skip
-def test_bad_profile_requests_are_400(server, body, fragment):
+def test_bad_profile_requests_are_400(server, call, body, fragment):
     status, out = call(server, "/start_profile", body)
     assert status == 400 and fragment in json.dumps(out["error"]), out

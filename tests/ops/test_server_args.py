@@ -15,7 +15,7 @@ from shunter.ops.server_cli import build_parser, parse_server_args, server_args_
 # A value for each option that differs from its default (flags are just present).
 SAMPLE: dict[str, str | None] = {
     "model_path": "smollm2", "tokenizer_path": "/tmp", "load_format": "gguf", "dtype": "float32",
-    "weight_format": "int4",
+    "weight_format": "int4", "skip_tokenizer_init": None,
     "device": "cpu", "context_length": "1024", "served_model_name": "m", "chat_template": "{{x}}",
     "random_seed": "7", "host": "0.0.0.0", "port": "31000", "api_key": "k", "admin_api_key": "a",
     "enable_metrics": None, "schedule_policy": "lpm", "max_running_requests": "8",
@@ -71,7 +71,7 @@ def test_vllm_spellings_and_dtype_aliases():
 
 
 @pytest.mark.parametrize("argv", [["--quantization", "fp8"], ["--enable-lora"],
-                                  ["--lora-paths", "a", "b"], ["--skip-tokenizer-init"],
+                                  ["--lora-paths", "a", "b"], ["--speculative-algorithm", "EAGLE"],
                                   ["--kv-cache-dtype", "fp8_e4m3"], ["--nnodes", "2"],
                                   ["--ep", "2"]])  # fmt: skip
 def test_unsupported_sglang_options_say_why(argv):

@@ -321,3 +321,39 @@ def test_hf_directory_loads_without_conversion(codec, tmp_path):
     assert c.render_chat([ChatMessage("user", "hey")], add_generation_prompt=True) == "hey!"
     assert c.encode("héllo 😀") == codec.encode("héllo 😀")
     assert not (tmp_path / "cache").exists()  # nothing to convert
+
+
+def test_without_a_tokenizer_ids_pass_through_and_text_is_refused():
+    """--skip-tokenizer-init: an IdsCodec from the config's facts; prompts of ids run
+    (eos ids joined to the stops), their outputs come back as ids with empty text, and
+    whatever needs a tokenizer is a 400 naming the option."""
+    from shunter.actors.tokenizer.loading import IdsCodec, load_codec
+
+    config = TokenizerConfig(skip_tokenizer_init=True, vocab_size=100, eos_token_ids=(2, 7),
+                             context_len=64)  # fmt: skip
+    codec = load_codec(config)
+    assert isinstance(codec, IdsCodec) and not codec.has_text
+    core = TokenizerCore(codec, config)
+    (t,) = core.handle(_gen("a", input_ids=[5, 6, 99], sampling={"max_new_tokens": 4}))
+    assert isinstance(t, Tokenized) and t.input_ids == [5, 6, 99]
+    assert sorted(t.sampling.stop_token_ids) == [2, 7]
+    deltas, other = _feed(core, "a", [11, 12, 7], finish_at_end="stop", matched=7)
+    assert all(d.text == "" for d in deltas) and other == []
+    assert [i for d in deltas for i in d.token_ids] == [11, 12, 7]
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].num_completion_tokens == 3
+    refused = [
+        _gen("b", text="hello"),
+        _gen("c", messages=[ChatMessage("user", "hi")]),
+        _gen("d", input_ids=[5], sampling={"stop": ["x"]}),
+        _gen("e", input_ids=[100]),
+    ]
+    for req in refused:
+        (f,) = core.handle(req)
+        assert isinstance(f, RequestFailed) and f.http_status == 400, f
+    assert "skip-tokenizer-init" in core.handle(refused[0])[0].message
+    (q,) = core.handle(TokenizeQuery("q", text="hi"))
+    assert "skip-tokenizer-init" in q.error
+    (q,) = core.handle(DetokenizeQuery("q", [5]))
+    assert "skip-tokenizer-init" in q.error
+    with pytest.raises(ValueError, match="vocab_size and context_len"):
+        TokenizerConfig(skip_tokenizer_init=True, context_len=64)

@@ -108,7 +108,7 @@ __all__ = [
     "FreeRefused",
     "GenerateRequest", "HealthPing", "HealthPong", "Heartbeat", "LeaseGranted",
     "LeaseRequest", "LeaseReturned", "LoadPages", "Matched", "MemoryState", "Msg", "PagesLoaded",
-    "PagesSpilled", "ProfileStart", "ProfileStatus", "ProfileStop", "Ready", "RefreshMatch", "ReleaseMemory", "RequestFailed", "ResumeMemory", "RequestOutput", "RowOpen",
+    "PagesSpilled", "ProfileStart", "ProfileStatus", "ProfileStop", "Ready", "RefreshMatch", "ReleaseMemory", "RequestFailed", "RequestOutput", "ResumeMemory", "RowOpen",
     "SamplingParams", "SchedulerCensus", "SchedulerConfigured", "SchedulerStats", "SequenceReleased", "Shutdown",
     "SpillPages", "StepResult", "TextDelta", "TextDeltas", "Tick", "TokenizeQuery", "TokenizeReply",
     "Tokenized", "TokensOut", "TopLogprob", "TreeDropped", "UpdateWeights", "WeightsUpdated",

@@ -27,6 +27,9 @@
   and the prefix cache are dropped) and new requests wait; /resume_memory_occupation
   (admin) `{"tags": [...]}` takes it back, and requests run again once nothing is
   released. /update_weights_from_disk works while only the KV cache is released.
+- /get_weights_by_name (admin): `{"name": HF checkpoint name, "truncate_size": 100}`:
+  the first truncate_size rows of that weight as float32 lists (SGLang's; a trainer
+  checks a weight sync with it); 400 for a name the model does not hold.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import importlib.metadata
 import msgspec
 from aiohttp import web
 
-from shunter.bus.messages import GenerateRequest, SamplingParams
+from shunter.bus.messages import GenerateRequest, SamplingParams, WeightsQuery, WeightsSlice
 from shunter.gateway.app import ctx_of, generation, json_response, read_body
 from shunter.gateway.engine import new_id
 from shunter.gateway.errors import APIError, bad_request
@@ -238,6 +241,44 @@ async def pause_generation(request: web.Request) -> web.Response:
     retract = body.mode in ("retract", "in_place")
     num = await flips.pause(flip_id, retract=retract, timeout_s=body.timeout)
     return json_response({"success": True, "num_paused_requests": num})
+
+
+class WeightsBody(msgspec.Struct, kw_only=True):
+    name: str
+    truncate_size: int = 100
+
+
+@routes.route("GET", "/get_weights_by_name")
+@routes.route("POST", "/get_weights_by_name")
+async def get_weights_by_name(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    body = decode_body(await read_body(request), WeightsBody)
+    if body.truncate_size < 1:
+        raise bad_request(f"truncate_size must be >= 1, got {body.truncate_size}",
+                          param="truncate_size")  # fmt: skip
+    ctx.engine.check_available()
+    q = WeightsQuery(new_id("weights-"), body.name, body.truncate_size)
+    timeout = ctx.config.query_timeout_s
+    try:
+        got = await ctx.engine.bus.request(q, reply=WeightsSlice,
+                                           match=lambda r: r.query_id == q.query_id,
+                                           timeout_s=timeout)  # fmt: skip
+    except TimeoutError:
+        raise APIError(504, f"the executor did not answer in {timeout:g} s",
+                       code="timeout") from None  # fmt: skip
+    if got.error:
+        raise bad_request(got.error, param="name")
+    return json_response(_nested(got.values, got.shape))
+
+
+def _nested(values: list[float], shape: list[int]) -> list | float:
+    """Flat row-major values as nested lists of `shape`."""
+    if not shape:
+        return values[0]
+    if len(shape) == 1:
+        return values
+    step = len(values) // shape[0] if shape[0] else 0
+    return [_nested(values[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")

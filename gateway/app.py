@@ -8,7 +8,8 @@ Routes (SGLang's and OpenAI's paths):
     GET /health, /health_generate, /get_model_info, /get_server_info, /get_load,
     /metrics; POST /flush_cache, /abort_request, /update_weights_from_disk,
     /pause_generation, /continue_generation; GET or POST
-    /release_memory_occupation, /resume_memory_occupation (admin)      (admin.py)
+    /release_memory_occupation, /resume_memory_occupation,
+    /get_weights_by_name (admin)                                       (admin.py)
     GET or POST /start_profile, /stop_profile (admin)                  (profile_api.py)
 
 Auth: with an api key set, every endpoint requires `Authorization: Bearer <key>`;
@@ -45,7 +46,7 @@ json_encoder = msgspec.json.Encoder()
 ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request", "/update_weights_from_disk",
                          "/pause_generation", "/continue_generation", "/start_profile",
                          "/stop_profile", "/release_memory_occupation",
-                         "/resume_memory_occupation"})  # fmt: skip
+                         "/resume_memory_occupation", "/get_weights_by_name"})  # fmt: skip
 
 
 class Ctx:

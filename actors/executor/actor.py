@@ -28,10 +28,11 @@ the new checkpoint is copied into the live weights in a worker thread (reload.py
 WeightsUpdated says whether it was (a refused one leaves the old weights serving).
 ReleaseMemory and ResumeMemory come the same way and give up or take back the device
 memory of the weights, the KV cache and the decode graphs (memory.py); MemoryState
-says what is released now.
-ProfileStart and ProfileStop (the gateway's /start_profile, /stop_profile) start and
-end a torch.profiler session between batches (profiling.py); a session asked for a
-number of steps ends by itself once that many results are published.
+says what is released now. WeightsQuery (/get_weights_by_name) is answered between
+batches with the first rows of a weight, named as in HF checkpoints. ProfileStart and
+ProfileStop (the gateway's /start_profile, /stop_profile) start and end a
+torch.profiler session between batches (profiling.py); a session asked for a number
+of steps ends by itself once that many results are published.
 
 A malformed batch or a failed forward is a StepResult with `error` (the core's job);
 a failure to load is actor-scoped: LoadError propagates to the supervisor.
@@ -50,6 +51,7 @@ from collections import deque
 import anyio
 import msgspec
 import structlog
+import torch
 
 from shunter.actors.executor.build import build_core
 from shunter.actors.executor.config import ExecutorConfig
@@ -68,6 +70,8 @@ from shunter.bus.messages import (
     ResumeMemory,
     StepResult,
     UpdateWeights,
+    WeightsQuery,
+    WeightsSlice,
     WeightsUpdated,
 )
 from shunter.bus.subscription import Subscription
@@ -75,8 +79,11 @@ from shunter.bus.transport import Bus
 
 log = structlog.get_logger(actor="executor")
 
-INBOX = (ForwardBatch, UpdateWeights, ReleaseMemory, ResumeMemory, ProfileStart, ProfileStop)
-Inbound = ForwardBatch | UpdateWeights | ReleaseMemory | ResumeMemory | ProfileStart | ProfileStop
+INBOX = (ForwardBatch, UpdateWeights, ReleaseMemory, ResumeMemory, ProfileStart, ProfileStop,
+         WeightsQuery)  # fmt: skip
+Inbound = (ForwardBatch | UpdateWeights | ReleaseMemory | ResumeMemory | ProfileStart
+           | ProfileStop | WeightsQuery)  # fmt: skip
+MAX_WEIGHT_VALUES = 1 << 22  # the most values one WeightsSlice carries
 FLIPS = (UpdateWeights, ReleaseMemory, ResumeMemory)  # come when nothing runs
 
 
@@ -125,6 +132,8 @@ async def _serve(core: ExecutorCore, config: ExecutorConfig, sub: Subscription, 
             await bus.publish(await anyio.to_thread.run_sync(_flip, core, config, memory, batch))
         elif isinstance(batch, ProfileStart | ProfileStop):
             await bus.publish(await anyio.to_thread.run_sync(prof.handle, batch))
+        elif isinstance(batch, WeightsQuery):
+            await bus.publish(await anyio.to_thread.run_sync(_weights, core, memory, batch))
         else:
             if submitted and core.step_ready():
                 await out.publish(await anyio.to_thread.run_sync(core.flush))
@@ -154,6 +163,22 @@ def _flip(core: ExecutorCore, config: ExecutorConfig, memory: DeviceMemory,
         return MemoryState(msg.flip_id, False, sorted(memory.released), str(e))
     log.info("device memory", flip_id=msg.flip_id, what=what, released=sorted(memory.released))
     return MemoryState(msg.flip_id, True, sorted(memory.released), what)
+
+
+def _weights(core: ExecutorCore, memory: DeviceMemory, q: WeightsQuery) -> WeightsSlice:
+    """The first rows of a weight, by its HF checkpoint name (/get_weights_by_name)."""
+    if "weights" in memory.released:
+        return WeightsSlice(q.query_id, error="the weights are released; resume them first")
+    try:
+        t = core.runner.model.weight_by_hf_name(q.name)
+    except KeyError:
+        return WeightsSlice(q.query_id, error=f"no weight named {q.name!r} (HF checkpoint names)")
+    rows = t[: max(q.truncate_size, 0)] if t.dim() else t
+    if rows.numel() > MAX_WEIGHT_VALUES:
+        return WeightsSlice(q.query_id, error=f"{rows.numel()} values asked for; at most "
+                            f"{MAX_WEIGHT_VALUES} (lower truncate_size)")  # fmt: skip
+    values = rows.detach().to("cpu", torch.float32).reshape(-1).tolist()
+    return WeightsSlice(q.query_id, values, list(rows.shape))
 
 
 def _update(core: ExecutorCore, config: ExecutorConfig, msg: UpdateWeights) -> WeightsUpdated:

@@ -37,6 +37,8 @@ from shunter.bus.messages.flip import (
     ReleaseMemory,
     ResumeMemory,
     UpdateWeights,
+    WeightsQuery,
+    WeightsSlice,
     WeightsUpdated,
 )
 from shunter.bus.messages.health import (
@@ -91,6 +93,7 @@ ALL_MESSAGES: tuple[type[Msg], ...] = (
     FlipBegin, AdmissionPaused, FlipCutover, FlipDone, FlipQuiesced, UpdateWeights,
     WeightsUpdated, Ready, Heartbeat, HealthPing, HealthPong, ActorDied, Shutdown, BusGap, DecodeFailed,
     ProfileStart, ProfileStop, ProfileStatus, ReleaseMemory, ResumeMemory, MemoryState,
+    WeightsQuery, WeightsSlice,
 )  # fmt: skip
 
 # Any message at all: what the recorder and `busctl` decode with.
@@ -103,14 +106,14 @@ __all__ = [
     "ALL_MESSAGES", "LAST_SAMPLED", "TOPICS", "AbortRequest", "ActorDied", "AdmissionPaused",
     "AllBlocksCleared", "AnyMessage", "BlockRemoved", "BlockStored", "BusGap", "Census",
     "CensusBroken", "ChatMessage", "ChunkCached", "DecodeFailed", "DetokenizeQuery",
-    "DetokenizeReply", "DropTree", "Envelope",
-    "FinishReason", "FlipBegin", "FlipCutover", "FlipDone", "FlipQuiesced", "ForwardBatch",
-    "FreeRefused",
-    "GenerateRequest", "HealthPing", "HealthPong", "Heartbeat", "LeaseGranted",
-    "LeaseRequest", "LeaseReturned", "LoadPages", "Matched", "MemoryState", "Msg", "PagesLoaded",
-    "PagesSpilled", "ProfileStart", "ProfileStatus", "ProfileStop", "Ready", "RefreshMatch", "ReleaseMemory", "RequestFailed", "RequestOutput", "ResumeMemory", "RowOpen",
-    "SamplingParams", "SchedulerCensus", "SchedulerConfigured", "SchedulerStats", "SequenceReleased", "Shutdown",
-    "SpillPages", "StepResult", "TextDelta", "TextDeltas", "Tick", "TokenizeQuery", "TokenizeReply",
-    "Tokenized", "TokensOut", "TopLogprob", "TreeDropped", "UpdateWeights", "WeightsUpdated",
-    "topic_of",
+    "DetokenizeReply", "DropTree", "Envelope", "FinishReason", "FlipBegin", "FlipCutover",
+    "FlipDone", "FlipQuiesced", "ForwardBatch", "FreeRefused", "GenerateRequest", "HealthPing",
+    "HealthPong", "Heartbeat", "LeaseGranted", "LeaseRequest", "LeaseReturned", "LoadPages",
+    "Matched", "MemoryState", "Msg", "PagesLoaded", "PagesSpilled", "ProfileStart",
+    "ProfileStatus", "ProfileStop", "Ready", "RefreshMatch", "ReleaseMemory", "RequestFailed",
+    "RequestOutput", "ResumeMemory", "RowOpen", "SamplingParams", "SchedulerCensus",
+    "SchedulerConfigured", "SchedulerStats", "SequenceReleased", "Shutdown", "SpillPages",
+    "StepResult", "TextDelta", "TextDeltas", "Tick", "TokenizeQuery", "TokenizeReply",
+    "Tokenized", "TokensOut", "TopLogprob", "TreeDropped", "UpdateWeights", "WeightsQuery",
+    "WeightsSlice", "WeightsUpdated", "topic_of"
 ]  # fmt: skip

@@ -78,3 +78,19 @@ class MemoryState(Msg, tag="flip.memory"):
     ok: bool
     released: list[str]  # what is released now
     message: str = ""  # what was freed or taken back, or why not
+
+
+class WeightsQuery(Msg, tag="flip.weights.query"):
+    """Gateway to executor (/get_weights_by_name): the first `truncate_size` rows of the
+    tensor HF's checkpoint name `name` loads into. Answered by WeightsSlice."""
+
+    query_id: str
+    name: str
+    truncate_size: int = 100
+
+
+class WeightsSlice(Msg, tag="flip.weights.slice"):
+    query_id: str
+    values: list[float] = []  # the rows, flattened, as float32
+    shape: list[int] = []  # of the rows returned
+    error: str = ""  # non-empty: no such tensor, or it cannot be read now

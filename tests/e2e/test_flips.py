@@ -223,6 +223,8 @@ def test_memory_released_and_resumed_as_an_rl_trainer_does(server, served_path):
     assert waiter.is_alive()  # held while the memory is away
     status, out = post(server, "/update_weights_from_disk", {"model_path": served_path})
     assert status == 400 and "released" in out["error"]["message"], out
+    status, out = post(server, "/get_weights_by_name", {"name": "model.norm.weight"})
+    assert status == 400 and "released" in out["error"]["message"], out
     status, out = post(server, "/resume_memory_occupation", {"tags": ["weights"]})
     assert status == 200 and out["released"] == ["cuda_graph", "kv_cache"], out
     status, out = post(server, "/update_weights_from_disk", {"model_path": served_path})
@@ -241,3 +243,23 @@ def test_bad_memory_tags_are_400(server, tags):
     for path in ("/release_memory_occupation", "/resume_memory_occupation"):
         status, out = post(server, path, {"tags": tags})
         assert status == 400 and "tags" in json.dumps(out["error"]), out
+
+
+def test_get_weights_by_name_reads_hf_named_rows(server):
+    """SGLang's /get_weights_by_name: the first rows of a weight by its HF name, q/k/v
+    and gate/up cut from the fused tensors, the tied lm_head being the embedding."""
+    status, k = post(server, "/get_weights_by_name",
+                     {"name": "model.layers.0.self_attn.k_proj.weight", "truncate_size": 2})  # fmt: skip
+    assert status == 200 and len(k) == 2 and len(k[0]) == 576, (status, str(k)[:200])
+    assert all(isinstance(x, float) for x in k[0])
+    status, head = post(server, "/get_weights_by_name", {"name": "lm_head.weight",
+                                                        "truncate_size": 3})  # fmt: skip
+    status2, emb = post(server, "/get_weights_by_name", {"name": "model.embed_tokens.weight",
+                                                        "truncate_size": 3})  # fmt: skip
+    assert status == status2 == 200 and head == emb and len(head) == 3
+    status, norm = post(server, "/get_weights_by_name", {"name": "model.norm.weight"})
+    assert status == 200 and len(norm) == 100  # a vector's first 100 values, as SGLang
+    for body in ({"name": "model.layers.0.mlp.nowhere.weight"},
+                 {"name": "model.norm.weight", "truncate_size": 0}, {}):  # fmt: skip
+        status, out = post(server, "/get_weights_by_name", body)
+        assert status == 400, out

@@ -271,6 +271,26 @@ class LlamaForCausalLM(nn.Module):
         return linear(hidden, self.model.embed_tokens.weight).float()
 
     @torch.no_grad()
+    def weight_by_hf_name(self, name: str) -> torch.Tensor:
+        """The tensor HF's checkpoint name `name` loads into (a view of the fused one for
+        q/k/v and gate/up; the embedding for a tied lm_head). KeyError when the model
+        holds none by that name (packed projections hold no float weight)."""
+        params = dict(self.named_parameters())
+        if name == "lm_head.weight" and self.lm_head is None:
+            name = "model.embed_tokens.weight"
+        c = self.config
+        qkv_sizes, mlp_sizes = [c.q_size, c.kv_size, c.kv_size], [c.intermediate_size] * 2
+        for hf, ours, shard in _STACKED:
+            if f".{hf}." in name:
+                sizes = qkv_sizes if "qkv" in ours else mlp_sizes
+                p = params.get(name.replace(hf, ours))
+                if p is None:
+                    raise KeyError(name)
+                return p.data.narrow(0, sum(sizes[:shard]), sizes[shard])
+        if name not in params:
+            raise KeyError(name)
+        return params[name].data
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the parameters (fusing q/k/v and gate/up).
         Returns the parameter names that were filled; raises ValueError on an unknown

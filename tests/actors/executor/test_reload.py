@@ -100,3 +100,22 @@ def test_reloaded_weights_serve_through_the_captured_graphs(tiny_model_dir, tmp_
     reload_weights(core, config, str(new))
     fresh = build_core(msgspec.structs.replace(config, model_path=str(new)))
     assert tokens(core) == tokens(fresh)
+
+
+def test_weights_by_hf_name_are_the_checkpoints_own(tiny_model_dir, family):
+    """weight_by_hf_name (/get_weights_by_name) gives, for every tensor HF holds, the
+    same values: q/k/v and gate/up as views of the fused projections, a tied lm_head as
+    the embedding."""
+    import transformers
+
+    d = tiny_model_dir(family)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    model, _ = load_model(str(d), progress=False)
+    names = [n for n in hf.state_dict() if "rotary_emb" not in n]
+    assert any("q_proj" in n for n in names) and any("up_proj" in n for n in names)
+    state = hf.state_dict()
+    for name in [*names, "lm_head.weight"]:
+        want = state.get(name, hf.lm_head.weight)
+        assert torch.equal(model.weight_by_hf_name(name), want), name
+    with pytest.raises(KeyError):
+        model.weight_by_hf_name("model.layers.0.mlp.nowhere.weight")

@@ -6,7 +6,9 @@ multiplied by the weight, exactly as `rmsnorm_ref` orders the roundings (the pro
 of two bf16 values is exact in float32, so the final rounding matches too). The fused
 variant adds the residual in float32, rounds the sum to the model dtype, stores it
 into x (the new residual stream, as the CPU path does with `x.add_`) and normalizes
-that rounded sum, so no second pass over memory is needed.
+that rounded sum, so no second pass over memory is needed. Under PDL the weight, which
+no kernel writes, is requested before the wait on the kernel ahead (a bs=1 step of
+Llama-3.1-8B on an H100 measured 1.007x, BENCHMARKS.md).
 
 Invariants: the last axis is contiguous (stride 1); rows may have any stride; the
 hidden size fits one block (BLOCK >= hidden, a power of two).
@@ -36,10 +38,11 @@ def _rmsnorm_kernel(
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < hidden
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)  # a weight: before the wait
+    pdl_enter(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
     x = tl.load(x_row + cols, mask=m, other=0.0)
     dtype = x.dtype
@@ -52,7 +55,6 @@ def _rmsnorm_kernel(
     var = tl.sum(xf * xf, axis=0) / hidden
     rstd = 1.0 / tl.sqrt(var + eps)
     normed = (xf * rstd).to(dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * out_row_stride + cols, (normed * w).to(dtype), mask=m)
 
 

@@ -87,7 +87,7 @@ def test_reloaded_weights_serve_through_the_captured_graphs(tiny_model_dir, tmp_
     new = _perturbed_copy(src, tmp_path / "new")
 
     def tokens(core) -> list[list[int]]:
-        b, opens = Builder(), [(r, f"r{r}", GREEDY, r) for r in range(2)]
+        b, opens = Builder(core.page_size), [(r, f"r{r}", GREEDY, r) for r in range(2)]
         out = [core.step(b.batch([(r, [5 + r, 6, 7]) for r in range(2)], opens=opens))]
         out += [core.step(b.batch([(0, [LS]), (1, [LS])])) for _ in range(6)]
         assert [r.error for r in out] == [None] * 7

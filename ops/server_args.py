@@ -104,6 +104,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     decode_attention_backend: str = "auto"
     """Kernels of all-decode steps; auto: triton up to 256 entries under flashinfer (faster)."""
     enable_torch_compile: bool = False  # accepted for compatibility: COMPAT_ONLY
+    enable_memory_saver: bool = False  # accepted for compatibility: COMPAT_ONLY
 
     # parallelism
     tp_size: int = 1
@@ -156,6 +157,7 @@ COMPAT_ONLY = {
     "revision": "models are read from local files only",
     "enable_mixed_chunk": "prefill chunks always share steps with decodes",
     "enable_torch_compile": "the executor runs its own kernels and CUDA graphs",
+    "enable_memory_saver": "/release_memory_occupation works without it",
     "enable_cache_report": "cached_tokens is always in the usage",
     "dist_init_addr": "one node serves alone",
 }
@@ -226,6 +228,8 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
      "decode attention kernels (auto: triton for decode batches up to 256 under flashinfer)"),
     ("enable_torch_compile", ("--enable-torch-compile",), "memory",
      _compat("enable_torch_compile")),
+    ("enable_memory_saver", ("--enable-memory-saver",), "memory",
+     _compat("enable_memory_saver")),
     ("tp_size", ("--tp-size", "--tensor-parallel-size", "--tp"), "parallelism",
      "tensor parallel size"),
     ("dp_size", ("--dp-size", "--data-parallel-size", "--dp"), "parallelism",

@@ -5,6 +5,7 @@ Routes (SGLang's and OpenAI's paths):
     POST /v1/tokenize, /v1/detokenize                                  (openai_api.py)
     POST /generate                                                     (native_api.py)
     POST /v1/score                                                     (score_api.py)
+    POST /v1/responses (stateless)                                     (responses_api.py)
     GET /health, /health_generate, /get_model_info, /get_server_info, /get_load,
     /metrics; POST /flush_cache, /abort_request, /update_weights_from_disk,
     /pause_generation, /continue_generation; GET or POST
@@ -186,7 +187,14 @@ async def error_middleware(request: web.Request, handler):
 
 
 def build_app(ctx: Ctx) -> web.Application:
-    from shunter.gateway import admin, native_api, openai_api, profile_api, score_api
+    from shunter.gateway import (
+        admin,
+        native_api,
+        openai_api,
+        profile_api,
+        responses_api,
+        score_api,
+    )
 
     app = web.Application(
         middlewares=[error_middleware, auth_middleware],
@@ -196,6 +204,7 @@ def build_app(ctx: Ctx) -> web.Application:
     app.add_routes(openai_api.routes)
     app.add_routes(native_api.routes)
     app.add_routes(score_api.routes)
+    app.add_routes(responses_api.routes)
     app.add_routes(admin.routes)
     app.add_routes(profile_api.routes)
     return app

@@ -49,9 +49,9 @@ class StreamOptions(msgspec.Struct):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True):
-    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names plus the
-    SGLang/vLLM extensions that clients pass through extra_body)."""
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields shared by /v1/completions, /v1/chat/completions and /v1/responses (OpenAI
+    names plus the SGLang/vLLM extensions that clients pass through extra_body)."""
 
     model: str | None = None
     n: I64 = 1
@@ -82,7 +82,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     structural_tag: Any = None
 
 
-class CompletionRequest(_SamplingFields, kw_only=True):
+class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[Any]
     max_tokens: I64 | None = 16
     echo: bool = False
@@ -107,7 +107,7 @@ class ResponseFormat(msgspec.Struct):
     type: str
 
 
-class ChatCompletionRequest(_SamplingFields, kw_only=True):
+class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[ChatMessageIn]
     max_tokens: I64 | None = None
     max_completion_tokens: I64 | None = None
@@ -200,7 +200,7 @@ def check_max_tokens(value: int | None, limits: Limits, param: str, *, minimum: 
 
 
 def sampling_from(
-    req: _SamplingFields, *, max_new_tokens: int, return_logprob: bool, top_logprobs_num: int
+    req: SamplingFields, *, max_new_tokens: int, return_logprob: bool, top_logprobs_num: int
 ) -> SamplingParams:
     """OpenAI request -> SamplingParams, checking every range (seed is set per choice)."""
     for name in ("regex", "ebnf", "json_schema", "structural_tag", "stop_regex"):

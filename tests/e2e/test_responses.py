@@ -1,0 +1,86 @@
+"""OpenAI's Responses API (/v1/responses) through the `openai` package against the real
+server: the answer equals the chat endpoint's for the same conversation (greedy),
+streamed or not; a cut-off answer is "incomplete"; what is not served is a 400."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", timeout=300,
+                         max_retries=0)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def _chat(client, model, messages, n):
+    out = client.chat.completions.create(model=model, messages=messages, max_tokens=n,
+                                         temperature=0)  # fmt: skip
+    return out.choices[0]
+
+
+def test_a_response_is_the_chat_answer(client, model):
+    want = _chat(client, model, [{"role": "system", "content": "Answer briefly."},
+                          {"role": "user", "content": "Name a color."}], 12)  # fmt: skip
+    r = client.responses.create(model=model, input="Name a color.",
+                                instructions="Answer briefly.", max_output_tokens=12,
+                                temperature=0)  # fmt: skip
+    assert r.object == "response" and r.id.startswith("resp_")
+    assert r.output_text == want.message.content
+    assert r.output[0].type == "message" and r.output[0].role == "assistant"
+    if want.finish_reason == "length":
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert r.status == "completed" and r.incomplete_details is None
+    assert r.usage.output_tokens >= 1
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+
+
+def test_message_items_and_a_stream_give_the_same_text(client, model):
+    items = [
+        {"role": "user", "content": "Say hello."},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Hello!"}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Again."}]},
+    ]
+    want = _chat(client, model, [{"role": "user", "content": "Say hello."},
+                          {"role": "assistant", "content": "Hello!"},
+                          {"role": "user", "content": "Again."}], 3)  # fmt: skip
+    r = client.responses.create(model=model, input=items, max_output_tokens=3,
+                                temperature=0)  # fmt: skip
+    assert r.output_text == want.message.content
+    events = list(client.responses.create(model=model, input=items, max_output_tokens=3,
+                                          temperature=0, stream=True))  # fmt: skip
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]  # fmt: skip
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.incomplete"]  # fmt: skip
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == want.message.content == events[-1].response.output_text
+    assert events[-1].response.status == "incomplete"
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"previous_response_id": "resp_x"}, "previous_response_id"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0]"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+         "input[0].content"),
+        ({"text": {"format": {"type": "json_object"}}}, "text"),
+        ({"input": []}, "input"),
+    ],
+)  # fmt: skip
+def test_what_is_not_served_is_a_400(client, model, extra, param):
+    body = {"model": model, "input": "hi", "max_output_tokens": 2, **extra}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**body)
+    assert e.value.body["param"] == param

@@ -3,7 +3,8 @@ ResumeMemory; SGLang's /release_memory_occupation and /resume_memory_occupation)
 that a trainer can use the device between rollouts.
 
 Theory of operation: three tags, as SGLang names them. "weights": every tensor the
-model computes with (reload.py's `model_tensors`) is copied to the host (pinned) and
+model computes with (reload.py's `model_tensors`) is copied to the host (pinned
+buffers, allocated at the first release and kept for the next ones) and
 its storage swapped for an empty one through `.data`, so every holder of the tensor
 object sees the swap; resuming copies each back into new storage. "kv_cache": the
 pool's K/V storage is swapped for empty (kv_pool.py); resuming allocates it again,
@@ -36,6 +37,9 @@ class DeviceMemory:
         self.core = core
         self.released: set[str] = set()
         self._host: dict[str, torch.Tensor] = {}  # weights kept on the host, by name
+        # pinned host buffers of device weights, kept between releases: allocating 15 GiB
+        # of pinned memory took most of a 10 s release on an H200 (BENCHMARKS.md)
+        self._pinned: dict[str, torch.Tensor] = {}
 
     def release(self, tags: list[str]) -> str:
         """Give up the memory of `tags`; what was freed. ValueError (nothing done) for
@@ -50,7 +54,11 @@ class DeviceMemory:
                     continue
                 host = t.data
                 if t.device.type != "cpu":  # a pinned host copy; the device's freed
-                    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t.data)
+                    host = self._pinned.get(name)
+                    if host is None or host.shape != t.shape or host.dtype != t.dtype:
+                        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                        self._pinned[name] = host
+                    host.copy_(t.data)
                     freed += t.nbytes
                 self._host[name] = host
                 t.data = torch.empty(0, dtype=t.dtype, device=t.device)

@@ -2,7 +2,9 @@
 
 - /health: 200 when a HealthPing round-trips through the scheduler's loop within
   health_timeout_s; 503 when it does not, or an actor died, or the server is draining.
-- /health_generate: 200 when a one-token generation (input_ids [0]) finishes in time.
+- /health_generate: 200 when a one-token generation (input_ids [0]) finishes in time;
+  503 at once while generation is paused or the device memory is released (it could
+  not finish).
 - /get_model_info, /get_server_info: what is served, with what settings and load.
 - /get_load: SGLang's per-rank load list, `[{dp_rank, num_reqs, num_waiting_reqs,
   num_tokens}]` (num_reqs counts running and waiting requests; num_tokens the KV
@@ -79,6 +81,11 @@ async def health_generate(request: web.Request) -> web.Response:
         ctx.engine.check_available()
     except APIError as e:
         return e.response()
+    flips = ctx.engine.flips
+    if flips.released:
+        return _unhealthy(f"the device memory is released ({', '.join(sorted(flips.released))})")
+    if flips.paused:
+        return _unhealthy("generation is paused (/continue_generation resumes it)")
     req = GenerateRequest(
         new_id("health-"), SamplingParams(max_new_tokens=1, temperature=0.0, seed=0), input_ids=[0]
     )

@@ -121,6 +121,8 @@ def test_pause_update_continue_as_a_trainer_syncs_weights(server, served_path):
         waiter.start()
         waiter.join(1.0)
         assert waiter.is_alive()  # held back while paused
+        status, body = server.get("/health_generate")
+        assert status == 503 and b"paused" in body, body
         status, out = post(server, "/update_weights_from_disk", {"model_path": served_path})
         assert status == 200 and out["success"] and out["num_paused_requests"] == 0, out
         assert post(server, "/continue_generation", {}) == (200, {"success": True})
@@ -214,6 +216,8 @@ def test_memory_released_and_resumed_as_an_rl_trainer_does(server, served_path):
     status, out = post(server, "/release_memory_occupation", {})
     assert status == 200 and out["released"] == ["cuda_graph", "kv_cache", "weights"], out
     assert json.loads(server.get("/get_server_info")[1])["memory_released"] == out["released"]
+    status, body = server.get("/health_generate")
+    assert status == 503 and b"released" in body, body
     status, again = post(server, "/release_memory_occupation", {"tags": ["kv_cache"]})
     assert status == 400 and "released already" in again["error"]["message"], again
     late = {}
@@ -234,6 +238,7 @@ def test_memory_released_and_resumed_as_an_rl_trainer_does(server, served_path):
     assert status == 200 and out["released"] == [], out
     waiter.join(120)
     assert late["out"]["output_ids"] == before
+    assert server.get("/health_generate")[0] == 200
     status, out = post(server, "/resume_memory_occupation", {"tags": ["weights"]})
     assert status == 400 and "not released" in out["error"]["message"], out
 

@@ -5,7 +5,7 @@ Routes (SGLang's and OpenAI's paths):
     POST /v1/tokenize, /v1/detokenize                                  (openai_api.py)
     POST /generate                                                     (native_api.py)
     POST /v1/score                                                     (score_api.py)
-    POST /v1/responses (stateless)                                     (responses_api.py)
+    POST /v1/responses; GET, DELETE /v1/responses/{id}                 (responses_api.py)
     GET /health, /health_generate, /get_model_info, /get_server_info, /get_load,
     /metrics; POST /flush_cache, /abort_request, /update_weights_from_disk,
     /pause_generation, /continue_generation; GET or POST
@@ -205,6 +205,7 @@ def build_app(ctx: Ctx) -> web.Application:
     app.add_routes(native_api.routes)
     app.add_routes(score_api.routes)
     app.add_routes(responses_api.routes)
+    app[responses_api.STORE] = responses_api.ResponseStore()
     app.add_routes(admin.routes)
     app.add_routes(profile_api.routes)
     return app

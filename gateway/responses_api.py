@@ -1,4 +1,4 @@
-"""OpenAI's Responses API, stateless: POST /v1/responses.
+"""OpenAI's Responses API: POST /v1/responses; GET and DELETE /v1/responses/{id}.
 
 Input: `input` (a string, or a list of message items: `role` and `content` as a string
 or `input_text` / `output_text` parts), `instructions` (a system message ahead of
@@ -12,17 +12,23 @@ response.content_part.added, response.output_text.delta per delta, then the matc
 .done events and response.completed (or response.incomplete), each with a
 sequence_number; a failure after the start is an `error` event.
 
-Nothing is stored: `store` is accepted, but `previous_response_id` (and so
-conversation state kept here), tools, structured text formats, reasoning options and
-background mode are 400s, as is `n`.
+With `store` (the default) a finished response is kept in the gateway's memory, the
+latest MAX_STORED of them: GET returns it, DELETE forgets it, and
+`previous_response_id` continues its conversation (its input and output ahead of the
+new input; its instructions are not carried over, as OpenAI does). An unknown id is a
+404 (GET, DELETE) or a 400 (`previous_response_id`). Tools, structured text formats,
+reasoning options, background mode and `n` are 400s.
 
 Theory of operation: the input becomes the messages of one chat generation
-(openai_api.py's path through the chat template); the handler shapes its deltas.
+(openai_api.py's path through the chat template); the handler shapes its deltas. The
+store lives in the gateway process (not an actor core: nothing replays it), so
+responses do not survive a restart.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Any
 
 from aiohttp import web
@@ -53,6 +59,31 @@ from shunter.gateway.validation import (
 
 routes = web.RouteTableDef()
 
+MAX_STORED = 1024  # responses kept for GET / previous_response_id, oldest dropped first
+
+
+class ResponseStore:
+    """Finished responses by id, with the conversation each ended (without its
+    instructions), the latest MAX_STORED."""
+
+    def __init__(self, capacity: int = MAX_STORED) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, tuple[dict, list[ChatMessage]]] = OrderedDict()
+
+    def put(self, response: dict, conversation: list[ChatMessage]) -> None:
+        self._items[response["id"]] = (response, conversation)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple[dict, list[ChatMessage]] | None:
+        return self._items.get(response_id)
+
+    def delete(self, response_id: str) -> bool:
+        return self._items.pop(response_id, None) is not None
+
+
+STORE = web.AppKey("responses", ResponseStore)
+
 
 class ResponsesRequest(SamplingFields, kw_only=True):
     input: str | list[Any]
@@ -75,8 +106,6 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
     def refuse(param: str, what: str) -> None:
         raise bad_request(f"{what} is not supported by this server", param=param)
 
-    if req.previous_response_id is not None:
-        refuse("previous_response_id", "previous_response_id (responses are not stored)")
     if req.tools:
         refuse("tools", "tools")
     if req.tool_choice not in (None, "none", "auto"):
@@ -117,8 +146,8 @@ def _parts(i: int, content: Any) -> str | list[ContentPart]:
     return parts
 
 
-def _messages(req: ResponsesRequest) -> list[ChatMessage]:
-    """instructions, then the input, as chat messages."""
+def _messages(req: ResponsesRequest, before: list[ChatMessage]) -> list[ChatMessage]:
+    """The input as chat messages, after `before` (a stored conversation)."""
     if isinstance(req.input, str):
         items = [ChatMessageIn("user", req.input)]
     else:
@@ -131,10 +160,7 @@ def _messages(req: ResponsesRequest) -> list[ChatMessage]:
                 raise bad_request(f"input[{i}]: only message items are supported, got {kind!r}",
                                   param=f"input[{i}]")  # fmt: skip
             items.append(ChatMessageIn(str(item.get("role", "")), _parts(i, item.get("content"))))
-    messages = chat_messages(items)
-    if req.instructions:
-        messages.insert(0, ChatMessage("system", req.instructions))
-    return messages
+    return before + chat_messages(items)
 
 
 _FINAL_EVENT = {"completed": "response.completed", "incomplete": "response.incomplete"}
@@ -181,7 +207,8 @@ class _Shape:
             "top_p": r.top_p, "metadata": r.metadata or {}, "user": r.user, "store": r.store,
             "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
             "text": {"format": {"type": "text"}}, "truncation": "disabled",
-            "previous_response_id": None, "reasoning": None, "background": False,
+            "previous_response_id": r.previous_response_id, "reasoning": None,
+            "background": False,
         }  # fmt: skip
 
 
@@ -191,7 +218,17 @@ async def responses(request: web.Request) -> web.StreamResponse:
     req = decode_body(await read_body(request), ResponsesRequest)
     check_model(req.model, ctx.config.served_model_name)
     _refuse_unsupported(req)
-    messages = _messages(req)
+    store = request.app[STORE]
+    before: list[ChatMessage] = []
+    if req.previous_response_id is not None:
+        found = store.get(req.previous_response_id)
+        if found is None:
+            raise bad_request(f"no stored response {req.previous_response_id!r}",
+                              param="previous_response_id")  # fmt: skip
+        before = found[1]
+    conversation = _messages(req, before)
+    system = [ChatMessage("system", req.instructions)] if req.instructions else []
+    messages = system + conversation
     check_max_tokens(req.max_output_tokens, ctx.limits, "max_output_tokens")
     clamp = req.max_output_tokens is None
     max_new = ctx.config.max_context_len if clamp else req.max_output_tokens
@@ -202,18 +239,45 @@ async def responses(request: web.Request) -> web.StreamResponse:
     gen = GenerateRequest(shape.id, sampling, messages=messages, stream=req.stream,
                           priority=req.priority, arrival_ns=time.monotonic_ns(),
                           clamp_max_new_tokens=clamp)  # fmt: skip
+    keep = store.put if req.store else None
     if req.stream:
-        return await _stream(request, ctx, gen, shape)
+        return await _stream(request, ctx, gen, shape, conversation, keep)
     a = Acc()
     async with generation(ctx, [gen]) as group:
         async for _, d in group:
             a.add(d)
     status, incomplete = _status(a)
-    out = [shape.message("".join(a.text), "completed" if status == "completed" else "incomplete")]
-    return json_response(shape.response(status, out, _usage(a), incomplete))
+    text = "".join(a.text)
+    out = [shape.message(text, "completed" if status == "completed" else "incomplete")]
+    final = shape.response(status, out, _usage(a), incomplete)
+    if keep is not None:
+        keep(final, [*conversation, ChatMessage("assistant", text)])
+    return json_response(final)
 
 
-async def _stream(request: web.Request, ctx, gen: GenerateRequest, shape: _Shape):
+def _stored(request: web.Request) -> tuple[str, tuple[dict, list[ChatMessage]] | None]:
+    rid = request.match_info["response_id"]
+    return rid, request.app[STORE].get(rid)
+
+
+@routes.get("/v1/responses/{response_id}")
+async def get_response(request: web.Request) -> web.Response:
+    rid, found = _stored(request)
+    if found is None:
+        raise APIError(404, f"no stored response {rid!r}", param="response_id")
+    return json_response(found[0])
+
+
+@routes.delete("/v1/responses/{response_id}")
+async def delete_response(request: web.Request) -> web.Response:
+    rid = request.match_info["response_id"]
+    if not request.app[STORE].delete(rid):
+        raise APIError(404, f"no stored response {rid!r}", param="response_id")
+    return json_response({"id": rid, "object": "response.deleted", "deleted": True})
+
+
+async def _stream(request: web.Request, ctx, gen: GenerateRequest, shape: _Shape,
+                  conversation: list[ChatMessage], keep) -> web.StreamResponse:  # fmt: skip
     resp = await open_sse(request)
     seq = 0
 
@@ -248,5 +312,8 @@ async def _stream(request: web.Request, ctx, gen: GenerateRequest, shape: _Shape
     final = shape.message(text, item_status)
     await send("response.output_item.done", output_index=0, item=final)
     kind = _FINAL_EVENT.get(status, "response.failed")
-    await send(kind, response=shape.response(status, [final], _usage(a), incomplete))
+    response = shape.response(status, [final], _usage(a), incomplete)
+    if keep is not None:
+        keep(response, [*conversation, ChatMessage("assistant", text)])
+    await send(kind, response=response)
     return resp

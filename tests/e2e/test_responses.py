@@ -1,6 +1,8 @@
 """OpenAI's Responses API (/v1/responses) through the `openai` package against the real
 server: the answer equals the chat endpoint's for the same conversation (greedy),
-streamed or not; a cut-off answer is "incomplete"; what is not served is a 400."""
+streamed or not, continued from a stored response or not; a cut-off answer is
+"incomplete"; stored responses are retrieved and deleted; what is not served is a
+400."""
 
 from __future__ import annotations
 
@@ -65,6 +67,32 @@ def test_message_items_and_a_stream_give_the_same_text(client, model):
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == want.message.content == events[-1].response.output_text
     assert events[-1].response.status == "incomplete"
+
+
+def test_stored_responses_continue_and_go(client, model):
+    first = client.responses.create(model=model, input="Name a fruit.", max_output_tokens=6,
+                                    temperature=0, instructions="Be brief.")  # fmt: skip
+    got = client.responses.retrieve(first.id)
+    assert got.id == first.id and got.output_text == first.output_text
+    second = client.responses.create(model=model, input="And a vegetable?", temperature=0,
+                                     max_output_tokens=6, previous_response_id=first.id)  # fmt: skip
+    assert second.previous_response_id == first.id
+    want = _chat(client, model, [{"role": "user", "content": "Name a fruit."},
+                                 {"role": "assistant", "content": first.output_text},
+                                 {"role": "user", "content": "And a vegetable?"}], 6)  # fmt: skip
+    assert second.output_text == want.message.content  # instructions not carried over
+    streamed = list(client.responses.create(model=model, input="Hi", max_output_tokens=2,
+                                            temperature=0, stream=True))  # fmt: skip
+    final = streamed[-1].response
+    assert client.responses.retrieve(final.id).output_text == final.output_text
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(first.id)
+    unstored = client.responses.create(model=model, input="Hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from shunter.bus.messages import ChatMessage, GenerateRequest
@@ -85,6 +86,14 @@ class ResponseStore:
 STORE = web.AppKey("responses", ResponseStore)
 
 
+class TextFormat(msgspec.Struct):
+    type: str
+
+
+class TextOptions(msgspec.Struct):
+    format: TextFormat | None = None
+
+
 class ResponsesRequest(SamplingFields, kw_only=True):
     input: str | list[Any]
     instructions: str | None = None
@@ -95,7 +104,7 @@ class ResponsesRequest(SamplingFields, kw_only=True):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    text: Any = None
+    text: TextOptions | None = None
     reasoning: Any = None
     include: list[str] | None = None
     background: bool = False
@@ -110,10 +119,8 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
         refuse("tools", "tools")
     if req.tool_choice not in (None, "none", "auto"):
         refuse("tool_choice", "tool_choice")
-    fmt = (req.text or {}).get("format") if isinstance(req.text, dict) else None
-    if req.text is not None and (not isinstance(req.text, dict) or
-                                 (fmt is not None and (fmt or {}).get("type") != "text")):  # fmt: skip
-        refuse("text", "a text format other than {'type': 'text'}")
+    if req.text is not None and req.text.format is not None and req.text.format.type != "text":
+        refuse("text", f"text format {req.text.format.type!r} (only 'text')")
     if req.reasoning is not None:
         refuse("reasoning", "reasoning")
     if req.include:
@@ -142,7 +149,11 @@ def _parts(i: int, content: Any) -> str | list[ContentPart]:
         if kind not in TEXT_PARTS:
             raise bad_request(f"input[{i}].content: only text parts are supported, got {kind!r}",
                               param=f"input[{i}].content")  # fmt: skip
-        parts.append(ContentPart("text", str(p.get("text", ""))))
+        text = p.get("text")
+        if not isinstance(text, str):
+            raise bad_request(f"input[{i}].content: a text part needs its text as a string",
+                              param=f"input[{i}].content")  # fmt: skip
+        parts.append(ContentPart("text", text))
     return parts
 
 

@@ -105,10 +105,20 @@ def test_stored_responses_continue_and_go(client, model):
          "input[0].content"),
         ({"text": {"format": {"type": "json_object"}}}, "text"),
         ({"input": []}, "input"),
+        ({"text": {"format": "json"}}, "text.format"),
+        ({"input": [{"role": "user", "content": [{"type": "input_text", "text": None}]}]},
+         "input[0].content"),
+        ({"input": [{"role": 5, "content": "hi"}]}, "messages[0].role"),
+        ({"input": ["hi"]}, "input[0]"),
+        ({"input": [{"role": "user", "content": {"a": 1}}]}, "input[0].content"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"n": 2}, "n"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
     ],
 )  # fmt: skip
 def test_what_is_not_served_is_a_400(client, model, extra, param):
     body = {"model": model, "input": "hi", "max_output_tokens": 2, **extra}
+    beyond = {k: body.pop(k) for k in ("n",) if k in body}  # not in the SDK's signature
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(**body)
+        client.responses.create(**body, extra_body=beyond)
     assert e.value.body["param"] == param

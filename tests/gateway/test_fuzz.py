@@ -28,6 +28,10 @@ FIELDS = {
                   "logprob_start_len", "top_logprobs_num", "rid", "priority"],
     "/v1/tokenize": ["prompt", "messages", "add_special_tokens"],
     "/v1/detokenize": ["tokens"],
+    "/v1/responses": ["model", "input", "instructions", "max_output_tokens", "temperature",
+                      "top_p", "stream", "store", "previous_response_id", "text", "tools",
+                      "metadata", "tool_choice"],
+    "/v1/score": ["query", "items", "label_token_ids", "apply_softmax", "item_first", "model"],
 }  # fmt: skip
 
 good_messages = st.lists(
@@ -43,7 +47,7 @@ def bodies(draw):
     for name in names:
         if name == "messages" and draw(st.booleans()):
             body[name] = draw(good_messages)
-        elif name in ("prompt", "text") and draw(st.booleans()):
+        elif name in ("prompt", "text", "input", "query") and draw(st.booleans()):
             body[name] = draw(st.text(max_size=30))
         else:
             body[name] = draw(values)
@@ -62,5 +66,9 @@ def test_random_bodies_never_5xx(stack, case):
     if r.status_code >= 400:
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    elif body.get("stream") is True and path == "/v1/responses":
+        last = [ln for ln in r.text.splitlines() if ln.startswith("event: ")][-1]
+        assert last in ("event: response.completed", "event: response.incomplete",
+                        "event: response.failed", "event: error"), r.text[-300:]  # fmt: skip
     elif body.get("stream") is True:
         assert r.text.endswith("data: [DONE]\n\n")

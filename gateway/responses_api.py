@@ -13,7 +13,8 @@ response.content_part.added, response.output_text.delta per delta, then the matc
 sequence_number; a failure after the start is an `error` event.
 
 With `store` (the default) a finished response is kept in the gateway's memory, the
-latest MAX_STORED of them: GET returns it, DELETE forgets it, and
+latest MAX_STORED of them: GET returns it (and /input_items its own input), DELETE
+forgets it, and
 `previous_response_id` continues its conversation (its input and output ahead of the
 new input; its instructions are not carried over, as OpenAI does). An unknown id is a
 404 (GET, DELETE) or a 400 (`previous_response_id`). Tools, structured text formats,
@@ -63,20 +64,25 @@ routes = web.RouteTableDef()
 MAX_STORED = 1024  # responses kept for GET / previous_response_id, oldest dropped first
 
 
+class Stored(msgspec.Struct, frozen=True):
+    response: dict
+    conversation: list[ChatMessage]  # what it ended, without its instructions
+    num_inputs: int  # the last messages before its answer that were its own input
+
+
 class ResponseStore:
-    """Finished responses by id, with the conversation each ended (without its
-    instructions), the latest MAX_STORED."""
+    """Finished responses by id, the latest MAX_STORED."""
 
     def __init__(self, capacity: int = MAX_STORED) -> None:
         self.capacity = capacity
-        self._items: OrderedDict[str, tuple[dict, list[ChatMessage]]] = OrderedDict()
+        self._items: OrderedDict[str, Stored] = OrderedDict()
 
-    def put(self, response: dict, conversation: list[ChatMessage]) -> None:
-        self._items[response["id"]] = (response, conversation)
+    def put(self, item: Stored) -> None:
+        self._items[item.response["id"]] = item
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
 
-    def get(self, response_id: str) -> tuple[dict, list[ChatMessage]] | None:
+    def get(self, response_id: str) -> Stored | None:
         return self._items.get(response_id)
 
     def delete(self, response_id: str) -> bool:
@@ -236,8 +242,9 @@ async def responses(request: web.Request) -> web.StreamResponse:
         if found is None:
             raise bad_request(f"no stored response {req.previous_response_id!r}",
                               param="previous_response_id")  # fmt: skip
-        before = found[1]
+        before = found.conversation
     conversation = _messages(req, before)
+    num_inputs = len(conversation) - len(before)
     system = [ChatMessage("system", req.instructions)] if req.instructions else []
     messages = system + conversation
     check_max_tokens(req.max_output_tokens, ctx.limits, "max_output_tokens")
@@ -250,9 +257,14 @@ async def responses(request: web.Request) -> web.StreamResponse:
     gen = GenerateRequest(shape.id, sampling, messages=messages, stream=req.stream,
                           priority=req.priority, arrival_ns=time.monotonic_ns(),
                           clamp_max_new_tokens=clamp)  # fmt: skip
-    keep = store.put if req.store else None
+
+    def keep(response: dict, text: str) -> None:
+        if req.store:
+            said = [*conversation, ChatMessage("assistant", text)]
+            store.put(Stored(response, said, num_inputs))
+
     if req.stream:
-        return await _stream(request, ctx, gen, shape, conversation, keep)
+        return await _stream(request, ctx, gen, shape, keep)
     a = Acc()
     async with generation(ctx, [gen]) as group:
         async for _, d in group:
@@ -261,12 +273,11 @@ async def responses(request: web.Request) -> web.StreamResponse:
     text = "".join(a.text)
     out = [shape.message(text, "completed" if status == "completed" else "incomplete")]
     final = shape.response(status, out, _usage(a), incomplete)
-    if keep is not None:
-        keep(final, [*conversation, ChatMessage("assistant", text)])
+    keep(final, text)
     return json_response(final)
 
 
-def _stored(request: web.Request) -> tuple[str, tuple[dict, list[ChatMessage]] | None]:
+def _stored(request: web.Request) -> tuple[str, Stored | None]:
     rid = request.match_info["response_id"]
     return rid, request.app[STORE].get(rid)
 
@@ -276,7 +287,27 @@ async def get_response(request: web.Request) -> web.Response:
     rid, found = _stored(request)
     if found is None:
         raise APIError(404, f"no stored response {rid!r}", param="response_id")
-    return json_response(found[0])
+    return json_response(found.response)
+
+
+@routes.get("/v1/responses/{response_id}/input_items")
+async def input_items(request: web.Request) -> web.Response:
+    """The response's own input as message items, newest first unless `order=asc`."""
+    rid, found = _stored(request)
+    if found is None:
+        raise APIError(404, f"no stored response {rid!r}", param="response_id")
+    own = found.conversation[-1 - found.num_inputs : -1]
+    items = [{"id": f"{rid}_in{i}", "type": "message", "role": m.role,
+              "content": [{"type": "input_text", "text": m.content}]}
+             for i, m in enumerate(own)]  # fmt: skip
+    order = request.query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"order must be asc or desc, got {order!r}", param="order")
+    if order == "desc":
+        items.reverse()
+    return json_response({"object": "list", "data": items, "has_more": False,
+                          "first_id": items[0]["id"] if items else None,
+                          "last_id": items[-1]["id"] if items else None})  # fmt: skip
 
 
 @routes.delete("/v1/responses/{response_id}")
@@ -288,7 +319,7 @@ async def delete_response(request: web.Request) -> web.Response:
 
 
 async def _stream(request: web.Request, ctx, gen: GenerateRequest, shape: _Shape,
-                  conversation: list[ChatMessage], keep) -> web.StreamResponse:  # fmt: skip
+                  keep) -> web.StreamResponse:  # fmt: skip
     resp = await open_sse(request)
     seq = 0
 
@@ -324,7 +355,6 @@ async def _stream(request: web.Request, ctx, gen: GenerateRequest, shape: _Shape
     await send("response.output_item.done", output_index=0, item=final)
     kind = _FINAL_EVENT.get(status, "response.failed")
     response = shape.response(status, [final], _usage(a), incomplete)
-    if keep is not None:
-        keep(response, [*conversation, ChatMessage("assistant", text)])
+    keep(response, text)
     await send(kind, response=response)
     return resp

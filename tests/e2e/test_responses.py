@@ -81,6 +81,10 @@ def test_stored_responses_continue_and_go(client, model):
                                  {"role": "assistant", "content": first.output_text},
                                  {"role": "user", "content": "And a vegetable?"}], 6)  # fmt: skip
     assert second.output_text == want.message.content  # instructions not carried over
+    items = client.responses.input_items.list(second.id, order="asc").data
+    assert [(i.role, i.content[0].text) for i in items] == [("user", "And a vegetable?")]
+    items = client.responses.input_items.list(first.id).data
+    assert [(i.role, i.content[0].text) for i in items] == [("user", "Name a fruit.")]
     streamed = list(client.responses.create(model=model, input="Hi", max_output_tokens=2,
                                             temperature=0, stream=True))  # fmt: skip
     final = streamed[-1].response

@@ -6,7 +6,7 @@ Entry point for `shunter serve`:
 
 Theory of operation: loads the model and sizes the KV pool in a worker thread (seconds,
 under a progress bar; `core` skips that when the caller already built one), subscribes
-to ForwardBatch, UpdateWeights and the profile messages, publishes
+to INBOX (batches, the flips' messages, weight queries, profile controls), publishes
 `Ready(actor="executor", info=...)` (what the cache manager and scheduler size
 themselves from: num_pages, page_size, max_context_len, vocab_size,
 eos_token_ids as a comma-separated string), then feeds every batch to
@@ -118,8 +118,8 @@ async def _serve(core: ExecutorCore, config: ExecutorConfig, sub: Subscription, 
     """submit every batch; flush whenever no next batch is already waiting, and before
     a submit when the step in flight is already done (always on a CPU, where a forward
     runs inside submit: holding its result through the next forward would only delay
-    it by a step). UpdateWeights comes between batches: what is in flight is flushed
-    first. A profile's start or stop is handled as it comes (profiling.py)."""
+    it by a step). A flip's message (FLIPS) comes between batches: what is in flight is
+    flushed first. Weight queries and profile controls are answered as they come."""
     submitted: deque[int] = deque()  # perf_counter_ns at the submit of each unanswered step
     prof = Profiler(config.actor_id, core.runner.device)
     memory = DeviceMemory(core)

@@ -26,6 +26,10 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     served_model_name: str = "default"
     """--served-model-name: the model id of /v1/models; other names get 404."""
 
+    tool_call_parser: str | None = None
+    """--tool-call-parser: how the model writes tool calls (gateway/tool_calls.py); None
+    refuses chat requests with tools."""
+
     model_path: str = ""
     """Reported by /get_model_info and /v1/models (root)."""
 

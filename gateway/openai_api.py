@@ -27,6 +27,7 @@ from shunter.bus.messages import (
     SamplingParams,
     TokenizeQuery,
 )
+from shunter.gateway import tool_calls
 from shunter.gateway.app import (
     Ctx,
     ctx_of,
@@ -48,6 +49,7 @@ from shunter.gateway.validation import (
     check_max_tokens,
     check_model,
     check_n,
+    check_tools,
     completion_prompts,
     decode_body,
     generation_prompt,
@@ -221,8 +223,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_n(req.n, ctx.limits)
     messages: list[ChatMessage] = chat_messages(req.messages)
     add_gen = generation_prompt(req.add_generation_prompt, req.continue_final_message)
-    if req.tools:
-        raise bad_request("tools are not supported by this server", param="tools")
+    parser = _tool_parser(req, ctx.config.tool_call_parser)
+    tools = check_tools(req.tools or []) if parser else []
     if req.response_format is not None and req.response_format.type != "text":
         raise bad_request(
             f"response_format {req.response_format.type!r} is not supported (only 'text')",
@@ -256,6 +258,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             priority=req.priority, arrival_ns=now_ns, clamp_max_new_tokens=clamp,
             add_generation_prompt=add_gen, continue_final_message=req.continue_final_message,
             chat_template_kwargs=req.chat_template_kwargs or {},
+            tools=tools,
         )
         for k, rid in enumerate(_expand(base_id, req.n))
     ]  # fmt: skip
@@ -268,7 +271,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             "created": created,
             "model": model,
         }
-        return await _stream_chat(request, ctx, req, gens, head, num_top)
+        return await _stream_chat(request, ctx, req, gens, head, num_top, parser)
     accs = [Acc() for _ in gens]
     async with generation(ctx, gens) as group:
         async for k, d in group:
@@ -278,9 +281,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         logprobs = None
         if req.logprobs:
             logprobs = chat_logprobs(a.token_texts, a.logprobs, a.top_logprobs, num_top)
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(a.text)}
+        finish = a.last.finish_reason if a.last else None
+        if parser:
+            content, calls = tool_calls.parse(parser, message["content"])
+            if calls:
+                ids = [new_id("call_") for _ in calls]
+                message = {"role": "assistant", "content": content,
+                           "tool_calls": tool_calls.openai_calls(calls, ids)}  # fmt: skip
+                finish = "tool_calls"
         choices.append({
-            "index": k, "message": {"role": "assistant", "content": "".join(a.text)},
-            "logprobs": logprobs, "finish_reason": a.last.finish_reason if a.last else None,
+            "index": k, "message": message, "logprobs": logprobs, "finish_reason": finish,
             "matched_stop": a.last.matched_stop if a.last else None,
         })  # fmt: skip
     return json_response({
@@ -289,8 +300,24 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     })  # fmt: skip
 
 
-async def _stream_chat(request, ctx: Ctx, req, gens, head, num_top) -> web.StreamResponse:
+def _tool_parser(req: ChatCompletionRequest, parser: str | None) -> str | None:
+    """The tool-call parser this request's answers go through (None: no tools)."""
+    if req.tool_choice not in (None, "auto", "none"):
+        raise bad_request("tool_choice must be 'auto' or 'none': a required or named call "
+                          "needs constrained decoding, which this server does not do",
+                          param="tool_choice")  # fmt: skip
+    if not req.tools or req.tool_choice == "none":
+        return None
+    if parser is None:
+        raise bad_request("tools need a server started with --tool-call-parser "
+                          f"({', '.join(tool_calls.PARSERS)})", param="tools")  # fmt: skip
+    return parser
+
+
+async def _stream_chat(request, ctx: Ctx, req, gens, head, num_top,
+                       parser: str | None) -> web.StreamResponse:  # fmt: skip
     accs = [Acc() for _ in gens]
+    splitters = [tool_calls.Splitter(parser) if parser else None for _ in gens]
     resp = await open_sse(request)
     try:
         async with generation(ctx, gens) as group:
@@ -300,21 +327,40 @@ async def _stream_chat(request, ctx: Ctx, req, gens, head, num_top) -> web.Strea
                 await sse_send(resp, {**head, "choices": [choice], "usage": None})
             async for k, d in group:
                 accs[k].add(d)
-                if d.text or d.logprobs:
+                split = splitters[k]
+                text = split.push(d.text) if split else d.text
+                if text or d.logprobs:
                     logprobs = None
                     if req.logprobs:
                         logprobs = chat_logprobs(d.token_texts, d.logprobs, d.top_logprobs, num_top)
-                    choice = {"index": k, "delta": {"content": d.text}, "logprobs": logprobs,
+                    choice = {"index": k, "delta": {"content": text}, "logprobs": logprobs,
                               "finish_reason": None}  # fmt: skip
                     await sse_send(resp, {**head, "choices": [choice], "usage": None})
                 if d.finish_reason is not None:
+                    finish = d.finish_reason
+                    if split is not None:
+                        finish = await _send_calls(resp, head, k, split) or finish
                     choice = {"index": k, "delta": {}, "logprobs": None,
-                              "finish_reason": d.finish_reason, "matched_stop": d.matched_stop}  # fmt: skip
+                              "finish_reason": finish, "matched_stop": d.matched_stop}  # fmt: skip
                     await sse_send(resp, {**head, "choices": [choice], "usage": None})
     except APIError as e:
         await _error_event(resp, e)
         return resp
     return await _end_stream(resp, req, head, accs)
+
+
+async def _send_calls(resp, head: dict, k: int, split: tool_calls.Splitter) -> str | None:
+    """A streamed choice's held text and tool calls at its end; "tool_calls" when any."""
+    rest, calls = split.finish()
+    if rest:
+        choice = {"index": k, "delta": {"content": rest}, "logprobs": None, "finish_reason": None}
+        await sse_send(resp, {**head, "choices": [choice], "usage": None})
+    ids = [new_id("call_") for _ in calls]
+    for i, call in enumerate(tool_calls.openai_calls(calls, ids)):
+        choice = {"index": k, "delta": {"tool_calls": [{"index": i, **call}]}, "logprobs": None,
+                  "finish_reason": None}  # fmt: skip
+        await sse_send(resp, {**head, "choices": [choice], "usage": None})
+    return "tool_calls" if calls else None
 
 
 # -- models, tokenize, detokenize -----------------------------------------------------------

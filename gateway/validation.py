@@ -7,6 +7,7 @@ Ranges are checked after decoding; each failure names its parameter (`param`).
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, TypeVar
 
@@ -96,11 +97,23 @@ class ContentPart(msgspec.Struct):
     text: str | None = None
 
 
+class FunctionCallIn(msgspec.Struct):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(msgspec.Struct):
+    function: FunctionCallIn
+    id: str = ""
+    type: str = "function"
+
+
 class ChatMessageIn(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
 
 class ResponseFormat(msgspec.Struct):
@@ -335,8 +348,24 @@ def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
                 )
                 parts.append(p.text)
             text = "".join(parts)  # type: ignore[arg-type]
-        out.append(ChatMessage("system" if m.role == "developer" else m.role, text))
+        calls = [{"id": c.id, "type": c.type, "function": {
+            "name": c.function.name, "arguments": c.function.arguments
+            if isinstance(c.function.arguments, str) else json.dumps(c.function.arguments)}}
+            for c in m.tool_calls or ()]  # fmt: skip
+        out.append(ChatMessage("system" if m.role == "developer" else m.role, text, calls,
+                               m.tool_call_id))  # fmt: skip
     return out
+
+
+def check_tools(tools: list[Any]) -> list[dict[str, Any]]:
+    """OpenAI function tools, each {type: "function", function: {name, ...}}."""
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        _check(isinstance(fn, dict) and t.get("type", "function") == "function"
+               and isinstance(fn.get("name"), str) and bool(fn["name"]),
+               f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
+               f"tools[{i}]")  # fmt: skip
+    return list(tools)
 
 
 class NativeSamplingParams(msgspec.Struct, kw_only=True):

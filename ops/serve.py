@@ -223,6 +223,7 @@ def build_config(spec: ActorSpec, a: ServerArgs, ready: Mapping[str, Ready], see
                 admin_api_key=a.admin_api_key, enable_metrics=a.enable_metrics,
                 log_requests=a.log_requests,
                 served_model_name=a.served_model_name or source.name, model_path=source.path,
+                tool_call_parser=a.tool_call_parser,
                 tokenizer_path=a.tokenizer_path or source.path,
                 max_context_len=facts["max_context_len"], server_info=info,
             )  # fmt: skip

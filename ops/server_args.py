@@ -29,6 +29,7 @@ from typing import Any
 import msgspec
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "priority", "lof", "random")
+TOOL_CALL_PARSERS = ("qwen25", "hermes", "llama3")  # gateway/tool_calls.py's PARSERS
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # other spellings of a dtype that SGLang and vLLM take, as ServerArgs stores them
 DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32",
@@ -62,6 +63,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """None: the model's own maximum."""
     served_model_name: str | None = None
     chat_template: str | None = None
+    tool_call_parser: str | None = None
     """A file path, or the template text itself."""
     random_seed: int | None = None
     """Seed of the per-request seeds drawn at the gateway; None draws one at start."""
@@ -182,6 +184,8 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
      "maximum tokens per sequence"),
     ("served_model_name", ("--served-model-name",), "model", "model name the API reports"),
     ("chat_template", ("--chat-template",), "model", "chat template file or inline template"),
+    ("tool_call_parser", ("--tool-call-parser",), "model",
+     "how the model writes tool calls (qwen25/hermes, llama3): chat requests may pass tools"),
     ("random_seed", ("--random-seed", "--seed"), "model", "seed for request seeds"),
     ("trust_remote_code", ("--trust-remote-code",), "model",
      _compat("trust_remote_code")),
@@ -297,6 +301,9 @@ def _problems(a: ServerArgs) -> list[str]:
 
     def flag(field: str) -> str:
         return f"{FLAG_OF[field]} {getattr(a, field)!r}".replace("'", "")
+
+    if a.tool_call_parser is not None and a.tool_call_parser not in TOOL_CALL_PARSERS:
+        out.append(f"{flag('tool_call_parser')}: must be one of {', '.join(TOOL_CALL_PARSERS)}")
 
     for field, choices in CHOICES.items():
         if getattr(a, field) not in choices:

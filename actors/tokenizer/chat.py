@@ -11,6 +11,7 @@ determinism), and templates that use it fall back to their own default date.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import pathlib
@@ -69,6 +70,25 @@ def compile_template(template: str) -> jinja2.Template:
         raise ChatTemplateError(f"the chat template does not parse: {e}") from None
 
 
+def _message(m: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates take it."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [_call(c) for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _call(call: Mapping[str, Any]) -> dict[str, Any]:
+    fn = dict(call.get("function") or {})
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        with contextlib.suppress(ValueError):  # not JSON: the template gets the text
+            fn["arguments"] = json.loads(args)
+    return {**call, "function": fn}
+
+
 def render_chat(
     template: str | None,
     messages: Sequence[ChatMessage],
@@ -77,6 +97,7 @@ def render_chat(
     continue_final_message: bool = False,
     template_kwargs: Mapping[str, Any] = {},
     special_tokens: Mapping[str, str] = {},
+    tools: Sequence[Mapping[str, Any]] = (),
 ) -> str:
     """Apply `template` to the conversation and return the prompt text. Raises
     ChatTemplateError when there is no template or the template refuses the input.
@@ -85,7 +106,10 @@ def render_chat(
     the model goes on with it (an assistant reply begun by the client) rather than
     after its end-of-turn; the content must appear in the rendered text.
     template_kwargs: extra template variables (`enable_thinking`, say); the names the
-    renderer sets itself (messages, add_generation_prompt, ...) win over them."""
+    renderer sets itself (messages, add_generation_prompt, ...) win over them.
+    tools: function tools for the template's `tools` (None when there are none), as
+    HF templates take them; an assistant message's tool calls go to the template with
+    their JSON arguments decoded (HF's convention), a tool message with its call id."""
     if template is None:
         raise ChatTemplateError(
             "this model has no chat template; pass --chat-template or send a plain prompt"
@@ -94,11 +118,12 @@ def render_chat(
         raise ChatTemplateError(
             "continue_final_message and add_generation_prompt cannot both be true"
         )
-    conversation = [{"role": m.role, "content": m.content} for m in messages]
+    conversation = [_message(m) for m in messages]
     try:
         text = compile_template(template).render(**{
             **template_kwargs, "messages": conversation,
-            "add_generation_prompt": add_generation_prompt, "tools": None, "documents": None,
+            "add_generation_prompt": add_generation_prompt, "tools": list(tools) or None,
+            "documents": None,
             **special_tokens,
         })  # fmt: skip
     except ChatTemplateError:

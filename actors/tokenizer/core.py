@@ -179,6 +179,7 @@ class TokenizerCore:
                     add_generation_prompt=req.add_generation_prompt,
                     continue_final_message=req.continue_final_message,
                     template_kwargs=req.chat_template_kwargs,
+                    tools=getattr(req, "tools", ()),
                 )
             except ChatTemplateError as e:
                 raise _Invalid("invalid_request", str(e)) from None

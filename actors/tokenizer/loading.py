@@ -117,11 +117,12 @@ class TextCodec:
         add_generation_prompt: bool,
         continue_final_message: bool = False,
         template_kwargs: Mapping[str, Any] = {},
+        tools: Sequence[Mapping[str, Any]] = (),
     ) -> str:
         return render_chat(
             self.chat_template, messages, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, template_kwargs=template_kwargs,
-            special_tokens=self.special_tokens,
+            special_tokens=self.special_tokens, tools=tools,
         )  # fmt: skip
 
 

@@ -43,6 +43,10 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
 class ChatMessage(msgspec.Struct, frozen=True, array_like=True, gc=False):
     role: str
     content: str
+    # an assistant turn's calls: OpenAI's [{id, type: "function", function: {name,
+    # arguments: JSON text}}]; a tool turn names the call it answers
+    tool_calls: list[dict[str, Any]] = []
+    tool_call_id: str | None = None
 
 
 class GenerateRequest(Msg, tag="req.generate"):
@@ -66,6 +70,9 @@ class GenerateRequest(Msg, tag="req.generate"):
     # with) instead of closing it, and extra variables for the template
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] = {}
+    # chat only: function tools the template shows the model (OpenAI's [{type:
+    # "function", function: {name, description, parameters}}])
+    tools: list[dict[str, Any]] = []
 
 
 class AbortRequest(Msg, tag="req.abort"):

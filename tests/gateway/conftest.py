@@ -6,7 +6,8 @@ answers each Tokenized with a fixed reply (REPLY, then eos), one token per step 
 running requests together, honours max_new_tokens, stop token ids, aborts (final output
 with finish_reason "abort"), logprob requests, HealthPing and DropTree. The prompt picks
 special behaviour: "SLOW" steps every 50 ms and never ends on its own; "MUTE" is
-accepted and never answered.
+accepted and never answered; "TOOLCALL" is answered with TOOL_REPLY, a tool call in
+the qwen25 format.
 
 The stack runs in its own thread with its own event loop (as a server does); tests talk
 to it over real HTTP with the `openai` client, `requests` and raw sockets.
@@ -40,6 +41,8 @@ from shunter.gateway import actor as gateway_actor
 from shunter.gateway.config import GatewayConfig
 
 REPLY = "Hello! I am a scripted engine 😀 here."
+TOOL_REPLY = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+              "\n</tool_call>")  # fmt: skip
 CONTEXT_LEN = 512
 
 
@@ -50,6 +53,7 @@ class ScriptedEngine:
         self.bus = bus
         self.codec = codec
         self.reply_ids = codec.encode(REPLY)
+        self.tool_ids = codec.encode(TOOL_REPLY)
         self.running: dict[str, dict] = {}
         self.seen: list[Tokenized] = []
         self.aborts: list[AbortRequest] = []
@@ -77,8 +81,9 @@ class ScriptedEngine:
                 if "MUTE" in prompt:  # accepted, never answered: a stuck engine
                     return
                 slow = "SLOW" in prompt
+                reply = self.tool_ids if "TOOLCALL" in prompt else self.reply_ids
                 self.running[msg.request_id] = {
-                    "req": msg, "pos": 0, "cached": cached, "slow": slow
+                    "req": msg, "pos": 0, "cached": cached, "slow": slow, "reply": reply
                 }  # fmt: skip
                 self.wake.set()
             case AbortRequest():
@@ -114,7 +119,7 @@ class ScriptedEngine:
     def _advance(self, rid: str, r: dict) -> RequestOutput:
         req: Tokenized = r["req"]
         sp = req.sampling
-        seq = [*self.reply_ids, 2]
+        seq = [*r["reply"], 2]
         tok = 42 if r["slow"] else seq[min(r["pos"], len(seq) - 1)]
         r["pos"] += 1
         finish, matched = None, None

@@ -16,6 +16,7 @@ from shunter.ops.server_cli import build_parser, parse_server_args, server_args_
 SAMPLE: dict[str, str | None] = {
     "model_path": "smollm2", "tokenizer_path": "/tmp", "load_format": "gguf", "dtype": "float32",
     "weight_format": "int4", "skip_tokenizer_init": None, "enable_memory_saver": None,
+    "tool_call_parser": "qwen25",
     "device": "cpu", "context_length": "1024", "served_model_name": "m", "chat_template": "{{x}}",
     "random_seed": "7", "host": "0.0.0.0", "port": "31000", "api_key": "k", "admin_api_key": "a",
     "enable_metrics": None, "schedule_policy": "lpm", "max_running_requests": "8",

@@ -357,3 +357,35 @@ def test_without_a_tokenizer_ids_pass_through_and_text_is_refused():
     assert "skip-tokenizer-init" in q.error
     with pytest.raises(ValueError, match="vocab_size and context_len"):
         TokenizerConfig(skip_tokenizer_init=True, context_len=64)
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+    "{% for c in m.tool_calls or [] %} CALL {{ c.function.name }} {{ c.function.arguments.city }}"
+    "{% endfor %}{% if m.tool_call_id %} FOR {{ m.tool_call_id }}{% endif %}\n{% endfor %}"
+)
+
+
+def test_tools_and_tool_turns_reach_the_template(codec):
+    """A request's tools fill the template's `tools`; an assistant turn's calls arrive with
+    their JSON arguments decoded (HF's convention), a tool turn with its call id."""
+    from shunter.actors.tokenizer.loading import TextCodec
+
+    config = TokenizerConfig(context_len=256, chat_template=TOOLS_TEMPLATE)
+    core = TokenizerCore(TextCodec(codec.tk, eos_token_ids=codec.eos_token_ids, context_len=256,
+                                   chat_template=TOOLS_TEMPLATE), config)  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    messages = [ChatMessage("user", "Weather?"), ChatMessage("assistant", "", [call]),
+                ChatMessage("tool", "sunny", tool_call_id="c1")]  # fmt: skip
+    (t,) = core.handle(GenerateRequest("r", SamplingParams(max_new_tokens=2), messages=messages,
+                                       tools=tools))  # fmt: skip
+    assert isinstance(t, Tokenized)
+    text = codec.decode(t.input_ids, skip_special_tokens=False)
+    assert 'TOOLS [{"type": "function"' in text and "assistant:  CALL weather Paris" in text
+    assert "tool: sunny FOR c1" in text
+    (t2,) = core.handle(GenerateRequest("r2", SamplingParams(max_new_tokens=2),
+                                        messages=messages[:1]))  # fmt: skip
+    assert "TOOLS" not in codec.decode(t2.input_ids)  # no tools: the template's None

@@ -1,0 +1,159 @@
+"""Tool calls in a chat answer's text, as a model family writes them (SGLang's
+`--tool-call-parser`), and the OpenAI shapes they are returned in.
+
+Formats (PARSERS):
+- "qwen25", alias "hermes" (Qwen2.5/Qwen3, Hermes and the many models trained on its
+  format): each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
+  the text before the first call is the message's content.
+- "llama3" (Llama 3.1/3.2 JSON tool calling): the whole answer is a JSON object
+  `{"name": ..., "parameters": {...}}`, or several joined by ";".
+
+Theory of operation: `parse` reads a finished answer into (content, calls). A call
+whose JSON does not parse, or lacks a name, leaves the whole answer as content with
+no calls (an answer cut off by max_tokens mid-call is text, not a broken call).
+Streaming, `Splitter.push` releases content as it comes and holds text from where a
+call may begin (for qwen25 the tail that could be the start of `<tool_call>`, for
+llama3 an answer whose first character is `{`); `finish` parses what was held.
+
+Invariants: pure (no clock, no ids: the caller names the calls); the content
+released while streaming plus `finish`'s content equals `parse`'s content whenever
+there are no calls.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+PARSERS = ("qwen25", "hermes", "llama3")
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+
+Call = tuple[str, str]  # (function name, arguments as JSON text)
+
+
+def parse(parser: str, text: str) -> tuple[str | None, list[Call]]:
+    """(content, calls) of a finished answer; content None when only calls remain."""
+    if parser == "llama3":
+        calls = _llama3(text)
+        return (None, calls) if calls else (text, [])
+    start = text.find(_OPEN)
+    if start < 0:
+        return text, []
+    calls = []
+    rest = text[start:]
+    while rest.strip():
+        if not rest.lstrip().startswith(_OPEN):
+            return text, []  # text after a call: not a call we can stand behind
+        body = rest.lstrip()[len(_OPEN) :]
+        end = body.find(_CLOSE)
+        raw = body if end < 0 else body[:end]
+        call = _call(raw, "arguments")
+        if call is None:
+            return text, []
+        calls.append(call)
+        rest = "" if end < 0 else body[end + len(_CLOSE) :]
+    content = text[:start].strip()
+    return content or None, calls
+
+
+def _llama3(text: str) -> list[Call]:
+    body = text.strip()
+    if not body.startswith("{"):
+        return []
+    calls = []
+    for part in _split_top_level(body):
+        call = _call(part, "parameters", "arguments")
+        if call is None:
+            return []
+        calls.append(call)
+    return calls
+
+
+def _split_top_level(text: str) -> list[str]:
+    """`{...}; {...}` -> the objects' texts (a ';' inside a string or object is kept)."""
+    parts, depth, quote, escape, begin = [], 0, False, False, 0
+    for i, ch in enumerate(text):
+        if quote:
+            if escape:
+                escape = False
+            elif ch == "\\":
+                escape = True
+            elif ch == '"':
+                quote = False
+        elif ch == '"':
+            quote = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        elif ch == ";" and depth == 0:
+            parts.append(text[begin:i])
+            begin = i + 1
+    parts.append(text[begin:])
+    return [p for p in parts if p.strip()]
+
+
+def _call(raw: str, *arg_keys: str) -> Call | None:
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args: Any = next((obj[k] for k in arg_keys if k in obj), {})
+    if isinstance(args, str):  # already JSON text
+        return obj["name"], args
+    return obj["name"], json.dumps(args, ensure_ascii=False)
+
+
+class Splitter:
+    """A streamed answer's content released as it comes, calls held (module docstring)."""
+
+    def __init__(self, parser: str) -> None:
+        self.parser = parser
+        self.text = ""  # everything so far
+        self.sent = 0  # characters of it released as content
+
+    def push(self, delta: str) -> str:
+        self.text += delta
+        if self.parser == "llama3":
+            stripped = self.text.lstrip()
+            if not stripped or stripped.startswith("{"):
+                return ""  # maybe a call: held to the end
+            return self._release(len(self.text))
+        at = self.text.find(_OPEN, self.sent)
+        if at >= 0:
+            return self._release(at)
+        return self._release(len(self.text) - _partial_suffix(self.text, _OPEN))
+
+    def finish(self) -> tuple[str, list[Call]]:
+        """(content not released yet, calls) at the end of the answer."""
+        _, calls = parse(self.parser, self.text)
+        if not calls:
+            return self._release(len(self.text), held_space=False), []
+        at = self.text.find(_OPEN) if self.parser != "llama3" else 0
+        return self._release(max(at, self.sent)), calls
+
+    def _release(self, upto: int, *, held_space: bool = True) -> str:
+        """Text up to `upto` not sent yet; trailing whitespace stays held (it may end up
+        just before a call, where it is dropped) unless `held_space` is False."""
+        if held_space:
+            while upto > self.sent and self.text[upto - 1].isspace():
+                upto -= 1
+        out = self.text[self.sent : upto]
+        self.sent = max(self.sent, upto)
+        return out
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that `marker` starts with (held back)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def openai_calls(calls: list[Call], ids: list[str]) -> list[dict]:
+    """OpenAI's message.tool_calls for `calls`, named by `ids`."""
+    return [{"id": i, "type": "function", "function": {"name": name, "arguments": args}}
+            for (name, args), i in zip(calls, ids, strict=True)]  # fmt: skip

@@ -1,0 +1,163 @@
+"""Tool-call parsing (gateway/tool_calls.py): each format's calls are read from finished
+answers; anything that is not a whole call stays text; streamed, content is released
+as it comes and a call is never sent as text, wherever the deltas cut the marker."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shunter.gateway.tool_calls import Splitter, openai_calls, parse
+
+QWEN_TWO = ('Let me check.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "time", "arguments": {}}\n</tool_call>')  # fmt: skip
+
+
+def test_qwen25_calls_and_their_content():
+    content, calls = parse("qwen25", QWEN_TWO)
+    assert content == "Let me check."
+    assert calls == [("weather", '{"city": "Paris"}'), ("time", "{}")]
+    assert parse("hermes", QWEN_TWO) == (content, calls)
+    only = '<tool_call>{"name": "f", "arguments": {"x": [1, 2]}}</tool_call>'
+    assert parse("qwen25", only) == (None, [("f", '{"x": [1, 2]}')])
+    unclosed = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}'  # the stop ate the tag
+    assert parse("qwen25", unclosed) == (None, [("f", '{"x": 1}')])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "No tools needed: 2 + 2 = 4.",
+        '<tool_call>\n{"name": "f", "arguments": {"x": ',  # cut off mid-call
+        "<tool_call>not json</tool_call>",
+        '<tool_call>{"arguments": {}}</tool_call>',  # no name
+        '<tool_call>{"name": "f"}</tool_call> and then more words',
+    ],
+)  # fmt: skip
+def test_what_is_not_a_whole_call_stays_text(text):
+    assert parse("qwen25", text) == (text, [])
+
+
+def test_llama3_json_calls():
+    one = '{"name": "weather", "parameters": {"city": "Paris; France"}}'
+    assert parse("llama3", one) == (None, [("weather", '{"city": "Paris; France"}')])
+    two = one + '; {"name": "time", "arguments": {"tz": "UTC"}}'
+    assert parse("llama3", two)[1] == [("weather", '{"city": "Paris; France"}'),
+                                       ("time", '{"tz": "UTC"}')]  # fmt: skip
+    for text in ("Hello there.", '{"not": "a call"}', '{"name": "f", "parameters": {'):
+        assert parse("llama3", text) == (text, [])
+
+
+@pytest.mark.parametrize("parser, text", [("qwen25", QWEN_TWO), ("qwen25", "Plain <tool text."),
+                                          ("llama3", '{"name": "f", "parameters": {"a": 1}}'),
+                                          ("llama3", "Plain text {not json}")])  # fmt: skip
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
+def test_streaming_releases_content_and_holds_calls(parser, text, size):
+    s = Splitter(parser)
+    sent = "".join(s.push(text[i : i + size]) for i in range(0, len(text), size))
+    rest, calls = s.finish()
+    content, want_calls = parse(parser, text)
+    assert calls == want_calls
+    if calls:
+        assert "<tool_call" not in sent + rest and '"name"' not in sent + rest
+        assert (sent + rest).strip() == (content or "")
+    else:
+        assert sent + rest == text
+
+
+def test_openai_shape():
+    out = openai_calls([("f", '{"a": 1}')], ["call_1"])
+    assert out == [{"id": "call_1", "type": "function",
+                    "function": {"name": "f", "arguments": '{"a": 1}'}}]  # fmt: skip
+    assert json.loads(out[0]["function"]["arguments"]) == {"a": 1}
+
+
+# -- through the gateway (real HTTP, the openai client, the scripted engine) ----------------
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tool_client(stack_factory):
+    import openai
+
+    s = stack_factory(tool_call_parser="qwen25")
+    return openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=30)
+
+
+def _ask(client, text, **kw):
+    kw.setdefault("tools", TOOLS)
+    return client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": text}], **kw
+    )
+
+
+def test_a_tool_call_comes_back_as_one(tool_client):
+    out = _ask(tool_client, "TOOLCALL What is the weather in Paris?").choices[0]
+    assert out.finish_reason == "tool_calls" and out.message.content == "Checking."
+    (call,) = out.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    plain = _ask(tool_client, "Hello").choices[0]  # no call in the answer: text as it is
+    assert plain.message.tool_calls is None and plain.finish_reason == "stop"
+    raw = _ask(tool_client, "TOOLCALL again", tool_choice="none").choices[0]
+    assert raw.message.tool_calls is None and "<tool_call>" in raw.message.content
+
+
+def test_a_streamed_tool_call_never_shows_as_text(tool_client):
+    content, calls, finish = "", {}, None
+    for chunk in _ask(tool_client, "TOOLCALL weather?", stream=True):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for c in delta.tool_calls or []:
+            calls.setdefault(c.index, []).append(c)
+        finish = chunk.choices[0].finish_reason or finish
+    assert content == "Checking." and finish == "tool_calls"
+    (call,) = calls[0]
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+def test_a_conversation_with_tool_turns_runs(tool_client):
+    out = tool_client.chat.completions.create(model="smollm2", tools=TOOLS, messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ])  # fmt: skip
+    assert out.choices[0].message.content and out.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+         "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0]"),
+    ],
+)  # fmt: skip
+def test_what_tools_cannot_do_here_is_a_400(tool_client, extra, param):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        _ask(tool_client, "Hello", **extra)
+    assert e.value.body["param"] == param
+
+
+def test_the_server_flag_names_the_gateway_parsers():
+    from shunter.gateway.tool_calls import PARSERS
+    from shunter.ops.server_args import TOOL_CALL_PARSERS
+    from shunter.ops.server_cli import parse_server_args
+
+    assert TOOL_CALL_PARSERS == PARSERS
+    assert parse_server_args(["--tool-call-parser", "hermes"]).tool_call_parser == "hermes"
+    with pytest.raises((SystemExit, ValueError)):
+        parse_server_args(["--tool-call-parser", "nope"])

@@ -14,6 +14,7 @@ gateway holds no tokenizer of its own and stays free of model files.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -90,8 +91,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = decode_body(await read_body(request), CompletionRequest)
     check_model(req.model, ctx.config.served_model_name)
     check_n(req.n, ctx.limits)
-    if req.best_of is not None and req.best_of != req.n:
-        raise bad_request("best_of other than n is not supported", param="best_of")
+    width = req.n if req.best_of is None else req.best_of  # candidates per prompt
+    if width < req.n:
+        raise bad_request(f"best_of ({width}) must be at least n ({req.n})", param="best_of")
+    if width > req.n and req.stream:
+        raise bad_request("best_of cannot be used with stream", param="best_of")
     if req.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     prompts = completion_prompts(req.prompt, ctx.limits)
@@ -103,9 +107,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
         )
     clamp = req.max_tokens is None
     max_new = ctx.config.max_context_len if clamp else req.max_tokens
-    sampling = sampling_from(
-        req, max_new_tokens=max_new, return_logprob=lp is not None, top_logprobs_num=lp or 0
-    )
+    sampling = sampling_from(  # best_of ranks candidates by their logprobs
+        req, max_new_tokens=max_new, return_logprob=lp is not None or width > req.n,
+        top_logprobs_num=lp or 0,
+    )  # fmt: skip
     prompt_lps = req.echo and lp is not None
     if prompt_lps:  # echo with logprobs scores the prompt too (from position 0)
         sampling = msgspec.structs.replace(sampling, logprob_start_len=0)
@@ -119,12 +124,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 reply = await ctx.engine.detokenize(DetokenizeQuery(new_id("q-"), p))
                 echo_texts.append(reply.text)
     base_id = req.rid or new_id("cmpl-")
-    num = len(prompts) * req.n
+    num = len(prompts) * width
     if num > ctx.limits.max_prompts:
         raise bad_request(
-            f"{len(prompts)} prompts x n={req.n} is {num} choices; at most "
-            f"{ctx.limits.max_prompts} per request",
-            param="n",
+            f"{len(prompts)} prompts x {'best_of' if width > req.n else 'n'}={width} is {num} "
+            f"choices; at most {ctx.limits.max_prompts} per request",
+            param="best_of" if width > req.n else "n",
         )
     now_ns = time.monotonic_ns()
     gens = [
@@ -136,7 +141,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             clamp_max_new_tokens=clamp,
         )
         for k, rid in enumerate(_expand(base_id, num))
-        for p in [prompts[k // req.n]]
+        for p in [prompts[k // width]]
     ]  # fmt: skip
     head = {"id": base_id, "object": "text_completion", "created": int(time.time()),
             "model": ctx.config.served_model_name}  # fmt: skip
@@ -147,8 +152,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     async with generation(ctx, gens) as group:
         async for k, d in group:
             accs[k].add(d)
+    picked = _best(accs, width, req.n)
     choices = []
-    for k, a in enumerate(accs):
+    for k, a in enumerate(picked):
         echo = echo_of(k)
         logprobs = None
         if prompt_lps:
@@ -166,7 +172,21 @@ async def completions(request: web.Request) -> web.StreamResponse:
             "finish_reason": a.last.finish_reason if a.last else None,
             "matched_stop": a.last.matched_stop if a.last else None,
         })  # fmt: skip
-    return json_response({**head, "choices": choices, "usage": usage(accs, req.n)})
+    return json_response({**head, "choices": choices, "usage": usage(accs, width)})
+
+
+def _best(accs: list[Acc], width: int, n: int) -> list[Acc]:
+    """Per prompt, the n of its `width` candidates with the highest mean logprob per
+    token (best_of; all of them, in order, when width == n)."""
+    if width == n:
+        return accs
+    out = []
+    for i in range(0, len(accs), width):
+        group = accs[i : i + width]
+        mean = [sum(a.logprobs) / len(a.logprobs) if a.logprobs else -math.inf for a in group]
+        order = sorted(range(width), key=lambda j: -mean[j])  # stable: earlier wins ties
+        out += [group[j] for j in order[:n]]
+    return out
 
 
 def _echo_tops(entries: list, tops: list[list], num_top: int | None) -> list[list]:

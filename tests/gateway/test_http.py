@@ -58,7 +58,7 @@ def _assert_error(r, status, param=None, code=None, words=None):
         ("/v1/completions", {"prompt": []}, 400, "prompt", None),
         ("/v1/completions", {"prompt": [1, "a"]}, 400, "prompt", None),
         ("/v1/completions", {"prompt": "x", "logprobs": 99}, 400, "logprobs", None),
-        ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of", None),
+        ("/v1/completions", {"prompt": "x", "n": 3, "best_of": 2}, 400, "best_of", None),
         ("/v1/completions", {"prompt": "x", "regex": "[a-z]+"}, 400, "regex", "not supported"),
         ("/generate", {"text": "x", "sampling_params": {"json_schema": "{}"}}, 400, "json_schema", None),
         ("/v1/completions", {"prompt": ["a"] * 200, "n": 2}, 400, "n", "400 choices"),

@@ -1,27 +1,32 @@
 """OpenAI's Responses API: POST /v1/responses; GET and DELETE /v1/responses/{id}.
 
-Input: `input` (a string, or a list of message items: `role` and `content` as a string
-or `input_text` / `output_text` parts), `instructions` (a system message ahead of
-them), `max_output_tokens`, `temperature`, `top_p`, `stream`, `metadata`, `user`, and
-the sampling extensions the chat endpoint takes (`top_k`, `seed`, `stop`, ...). The
-answer is a `response` object whose `output` is one assistant message of one
-`output_text` part; `status` is "completed", "incomplete" (`incomplete_details.reason`
-"max_output_tokens") or "cancelled" (aborted). Streamed, it is OpenAI's event sequence:
-response.created, response.in_progress, response.output_item.added,
-response.content_part.added, response.output_text.delta per delta, then the matching
-.done events and response.completed (or response.incomplete), each with a
-sequence_number; a failure after the start is an `error` event.
+Input: `input` (a string, or a list of items: messages, function calls and their
+outputs; responses_items.py), `instructions` (a system message ahead of them),
+`max_output_tokens`, `temperature`, `top_p`, `stream`, `metadata`, `user`, `tools`
+(function tools, with `--tool-call-parser`; `tool_choice` "auto" or "none"), and the
+sampling extensions the chat endpoint takes (`top_k`, `seed`, `stop`, ...). The
+answer is a `response` object whose `output` is an assistant message of one
+`output_text` part, then a `function_call` item per call the answer made (the message
+left out when the answer is only calls); `status` is "completed", "incomplete"
+(`incomplete_details.reason` "max_output_tokens") or "cancelled" (aborted). Streamed,
+it is OpenAI's event sequence: response.created, response.in_progress, for the message
+response.output_item.added, response.content_part.added, response.output_text.delta
+per delta and the matching .done events, for each call response.output_item.added,
+response.function_call_arguments.delta and .done and response.output_item.done, then
+response.completed (or response.incomplete), each with a sequence_number; a failure
+after the start is an `error` event.
 
 With `store` (the default) a finished response is kept in the gateway's memory, the
 latest MAX_STORED of them: GET returns it (and /input_items its own input), DELETE
-forgets it, and
-`previous_response_id` continues its conversation (its input and output ahead of the
-new input; its instructions are not carried over, as OpenAI does). An unknown id is a
-404 (GET, DELETE) or a 400 (`previous_response_id`). Tools, structured text formats,
-reasoning options, background mode and `n` are 400s.
+forgets it, and `previous_response_id` continues its conversation (its input and
+output, calls included, ahead of the new input; its instructions are not carried
+over, as OpenAI does). An unknown id is a 404 (GET, DELETE) or a 400
+(`previous_response_id`). Structured text formats, reasoning options, background mode
+and `n` are 400s.
 
 Theory of operation: the input becomes the messages of one chat generation
-(openai_api.py's path through the chat template); the handler shapes its deltas. The
+(openai_api.py's path through the chat template); the handler shapes its deltas, and
+with tools reads calls out of them as the chat endpoint does (tool_calls.py). The
 store lives in the gateway process (not an actor core: nothing replays it), so
 responses do not survive a restart.
 """
@@ -36,6 +41,7 @@ import msgspec
 from aiohttp import web
 
 from shunter.bus.messages import ChatMessage, GenerateRequest
+from shunter.gateway import tool_calls
 from shunter.gateway.app import (
     ctx_of,
     generation,
@@ -47,12 +53,10 @@ from shunter.gateway.app import (
 from shunter.gateway.engine import new_id
 from shunter.gateway.errors import APIError, bad_request
 from shunter.gateway.formats import Acc
+from shunter.gateway.responses_items import chat_tools, input_messages, stored_items
 from shunter.gateway.validation import (
     I64,
-    ChatMessageIn,
-    ContentPart,
     SamplingFields,
-    chat_messages,
     check_max_tokens,
     check_model,
     decode_body,
@@ -117,12 +121,20 @@ class ResponsesRequest(SamplingFields, kw_only=True):
     truncation: str | None = None
 
 
+def _tools(req: ResponsesRequest, parser: str | None) -> tuple[list[dict], str | None]:
+    """The request's tools in chat form and the parser its answer goes through."""
+    if not req.tools or req.tool_choice == "none":
+        return [], None
+    if parser is None:
+        raise bad_request("tools need a server started with --tool-call-parser "
+                          f"({', '.join(tool_calls.PARSERS)})", param="tools")  # fmt: skip
+    return chat_tools(req.tools), parser
+
+
 def _refuse_unsupported(req: ResponsesRequest) -> None:
     def refuse(param: str, what: str) -> None:
         raise bad_request(f"{what} is not supported by this server", param=param)
 
-    if req.tools:
-        refuse("tools", "tools")
     if req.tool_choice not in (None, "none", "auto"):
         refuse("tool_choice", "tool_choice")
     if req.text is not None and req.text.format is not None and req.text.format.type != "text":
@@ -137,47 +149,6 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
         refuse("truncation", f"truncation {req.truncation!r}")
     if req.n != 1:
         refuse("n", "n other than 1")
-
-
-TEXT_PARTS = ("input_text", "output_text")
-
-
-def _parts(i: int, content: Any) -> str | list[ContentPart]:
-    """An input item's content: a string, or its text parts."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_request(f"input[{i}].content must be a string or a list of parts",
-                          param=f"input[{i}].content")  # fmt: skip
-    parts = []
-    for p in content:
-        kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-        if kind not in TEXT_PARTS:
-            raise bad_request(f"input[{i}].content: only text parts are supported, got {kind!r}",
-                              param=f"input[{i}].content")  # fmt: skip
-        text = p.get("text")
-        if not isinstance(text, str):
-            raise bad_request(f"input[{i}].content: a text part needs its text as a string",
-                              param=f"input[{i}].content")  # fmt: skip
-        parts.append(ContentPart("text", text))
-    return parts
-
-
-def _messages(req: ResponsesRequest, before: list[ChatMessage]) -> list[ChatMessage]:
-    """The input as chat messages, after `before` (a stored conversation)."""
-    if isinstance(req.input, str):
-        items = [ChatMessageIn("user", req.input)]
-    else:
-        if not req.input:
-            raise bad_request("input must not be empty", param="input")
-        items = []
-        for i, item in enumerate(req.input):
-            if not isinstance(item, dict) or item.get("type", "message") != "message":
-                kind = item.get("type") if isinstance(item, dict) else type(item).__name__
-                raise bad_request(f"input[{i}]: only message items are supported, got {kind!r}",
-                                  param=f"input[{i}]")  # fmt: skip
-            items.append(ChatMessageIn(str(item.get("role", "")), _parts(i, item.get("content"))))
-    return before + chat_messages(items)
 
 
 _FINAL_EVENT = {"completed": "response.completed", "incomplete": "response.incomplete"}
@@ -208,6 +179,12 @@ class _Shape:
         self.id, self.msg_id = new_id("resp_"), new_id("msg_")
         self.req, self.model, self.created = req, model, int(time.time())
 
+    def calls(self, calls: list[tool_calls.Call]) -> list[dict]:
+        """function_call output items."""
+        return [{"type": "function_call", "id": new_id("fc_"), "call_id": new_id("call_"),
+                 "name": name, "arguments": args, "status": "completed"}
+                for name, args in calls]  # fmt: skip
+
     def message(self, text: str, status: str) -> dict:
         return {"id": self.msg_id, "type": "message", "status": status, "role": "assistant",
                 "content": [{"type": "output_text", "text": text, "annotations": [],
@@ -222,7 +199,8 @@ class _Shape:
             "incomplete_details": incomplete, "instructions": r.instructions,
             "max_output_tokens": r.max_output_tokens, "temperature": r.temperature,
             "top_p": r.top_p, "metadata": r.metadata or {}, "user": r.user, "store": r.store,
-            "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
+            "parallel_tool_calls": False, "tools": r.tools or [],
+            "tool_choice": r.tool_choice or ("auto" if r.tools else "none"),
             "text": {"format": {"type": "text"}}, "truncation": "disabled",
             "previous_response_id": r.previous_response_id, "reasoning": None,
             "background": False,
@@ -235,6 +213,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     req = decode_body(await read_body(request), ResponsesRequest)
     check_model(req.model, ctx.config.served_model_name)
     _refuse_unsupported(req)
+    tools, parser = _tools(req, ctx.config.tool_call_parser)
     store = request.app[STORE]
     before: list[ChatMessage] = []
     if req.previous_response_id is not None:
@@ -243,7 +222,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
             raise bad_request(f"no stored response {req.previous_response_id!r}",
                               param="previous_response_id")  # fmt: skip
         before = found.conversation
-    conversation = _messages(req, before)
+    conversation = before + input_messages(req.input)
     num_inputs = len(conversation) - len(before)
     system = [ChatMessage("system", req.instructions)] if req.instructions else []
     messages = system + conversation
@@ -256,24 +235,32 @@ async def responses(request: web.Request) -> web.StreamResponse:
     shape = _Shape(req, ctx.config.served_model_name)
     gen = GenerateRequest(shape.id, sampling, messages=messages, stream=req.stream,
                           priority=req.priority, arrival_ns=time.monotonic_ns(),
-                          clamp_max_new_tokens=clamp)  # fmt: skip
+                          clamp_max_new_tokens=clamp, tools=tools)  # fmt: skip
 
-    def keep(response: dict, text: str) -> None:
+    def keep(response: dict, text: str, calls: list[dict]) -> None:
         if req.store:
-            said = [*conversation, ChatMessage("assistant", text)]
+            turn = [{"id": c["call_id"], "type": "function",
+                     "function": {"name": c["name"], "arguments": c["arguments"]}}
+                    for c in calls]  # fmt: skip
+            said = [*conversation, ChatMessage("assistant", text, turn)]
             store.put(Stored(response, said, num_inputs))
 
     if req.stream:
-        return await _stream(request, ctx, gen, shape, keep)
+        return await _stream(request, ctx, gen, shape, keep, parser)
     a = Acc()
     async with generation(ctx, [gen]) as group:
         async for _, d in group:
             a.add(d)
     status, incomplete = _status(a)
-    text = "".join(a.text)
-    out = [shape.message(text, "completed" if status == "completed" else "incomplete")]
+    text, found = "".join(a.text), []
+    if parser:
+        content, found = tool_calls.parse(parser, text)
+        text = content or "" if found else text
+    calls = shape.calls(found)
+    item_status = "completed" if status == "completed" else "incomplete"
+    out = ([shape.message(text, item_status)] if text or not calls else []) + calls
     final = shape.response(status, out, _usage(a), incomplete)
-    keep(final, text)
+    keep(final, text, calls)
     return json_response(final)
 
 
@@ -296,10 +283,7 @@ async def input_items(request: web.Request) -> web.Response:
     rid, found = _stored(request)
     if found is None:
         raise APIError(404, f"no stored response {rid!r}", param="response_id")
-    own = found.conversation[-1 - found.num_inputs : -1]
-    items = [{"id": f"{rid}_in{i}", "type": "message", "role": m.role,
-              "content": [{"type": "input_text", "text": m.content}]}
-             for i, m in enumerate(own)]  # fmt: skip
+    items = stored_items(rid, found.conversation[-1 - found.num_inputs : -1])
     order = request.query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise bad_request(f"order must be asc or desc, got {order!r}", param="order")
@@ -318,10 +302,10 @@ async def delete_response(request: web.Request) -> web.Response:
     return json_response({"id": rid, "object": "response.deleted", "deleted": True})
 
 
-async def _stream(request: web.Request, ctx, gen: GenerateRequest, shape: _Shape,
-                  keep) -> web.StreamResponse:  # fmt: skip
+async def _stream(request: web.Request, ctx, gen: GenerateRequest, shape: _Shape, keep,
+                  parser: str | None) -> web.StreamResponse:  # fmt: skip
     resp = await open_sse(request)
-    seq = 0
+    seq, said, opened = 0, "", False
 
     async def send(kind: str, **fields: Any) -> None:
         nonlocal seq
@@ -330,31 +314,59 @@ async def _stream(request: web.Request, ctx, gen: GenerateRequest, shape: _Shape
         seq += 1
 
     item = {"item_id": shape.msg_id, "output_index": 0, "content_index": 0}
+    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+
+    async def say(text: str) -> None:
+        """Content, the message item opened first (with tools, only once there is some)."""
+        nonlocal said, opened
+        if not opened:
+            opened = True
+            await send("response.output_item.added", output_index=0,
+                       item=shape.message("", "in_progress"))  # fmt: skip
+            await send("response.content_part.added", **item, part=part)
+        if text:
+            said += text
+            await send("response.output_text.delta", **item, delta=text, logprobs=[])
+
+    split = tool_calls.Splitter(parser) if parser else None
     a = Acc()
     try:
         await send("response.created", response=shape.response("in_progress", []))
         await send("response.in_progress", response=shape.response("in_progress", []))
-        await send("response.output_item.added", output_index=0,
-                   item=shape.message("", "in_progress"))  # fmt: skip
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        await send("response.content_part.added", **item, part=part)
+        if split is None:
+            await say("")
         async with generation(ctx, [gen]) as group:
             async for _, d in group:
                 a.add(d)
-                if d.text:
-                    await send("response.output_text.delta", **item, delta=d.text, logprobs=[])
+                text = split.push(d.text) if split else d.text
+                if text:
+                    await say(text)
     except APIError as e:
         await send("error", code=e.code, message=e.message, param=e.param)
         return resp
-    text = "".join(a.text)
+    found: list[tool_calls.Call] = []
+    if split is not None:
+        rest, found = split.finish()
+        if rest or not found:
+            await say(rest)
     status, incomplete = _status(a)
-    item_status = "completed" if status == "completed" else "incomplete"
-    await send("response.output_text.done", **item, text=text, logprobs=[])
-    await send("response.content_part.done", **item, part={**part, "text": text})
-    final = shape.message(text, item_status)
-    await send("response.output_item.done", output_index=0, item=final)
-    kind = _FINAL_EVENT.get(status, "response.failed")
-    response = shape.response(status, [final], _usage(a), incomplete)
-    keep(response, text)
-    await send(kind, response=response)
+    output = []
+    if opened:
+        item_status = "completed" if status == "completed" else "incomplete"
+        await send("response.output_text.done", **item, text=said, logprobs=[])
+        await send("response.content_part.done", **item, part={**part, "text": said})
+        output.append(shape.message(said, item_status))
+        await send("response.output_item.done", output_index=0, item=output[0])
+    calls = shape.calls(found)
+    for call in calls:
+        at = {"item_id": call["id"], "output_index": len(output)}
+        await send("response.output_item.added", output_index=len(output),
+                   item={**call, "arguments": "", "status": "in_progress"})  # fmt: skip
+        await send("response.function_call_arguments.delta", **at, delta=call["arguments"])
+        await send("response.function_call_arguments.done", **at, arguments=call["arguments"])
+        await send("response.output_item.done", output_index=len(output), item=call)
+        output.append(call)
+    response = shape.response(status, output, _usage(a), incomplete)
+    keep(response, said, calls)
+    await send(_FINAL_EVENT.get(status, "response.failed"), response=response)
     return resp

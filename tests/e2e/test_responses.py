@@ -104,7 +104,9 @@ def test_stored_responses_continue_and_go(client, model):
     [
         ({"previous_response_id": "resp_x"}, "previous_response_id"),
         ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0]"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]},
+         "input[0].arguments"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
          "input[0].content"),
         ({"text": {"format": {"type": "json_object"}}}, "text"),

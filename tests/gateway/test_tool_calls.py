@@ -161,3 +161,39 @@ def test_the_server_flag_names_the_gateway_parsers():
     assert parse_server_args(["--tool-call-parser", "hermes"]).tool_call_parser == "hermes"
     with pytest.raises((SystemExit, ValueError)):
         parse_server_args(["--tool-call-parser", "nope"])
+
+
+RESPONSE_TOOLS = [{"type": "function", "name": "get_weather",
+                   "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]  # fmt: skip
+
+
+def test_responses_return_calls_as_function_call_items(tool_client):
+    r = tool_client.responses.create(model="smollm2", input="TOOLCALL weather?",
+                                     tools=RESPONSE_TOOLS)  # fmt: skip
+    assert r.status == "completed" and [o.type for o in r.output] == ["message", "function_call"]
+    assert r.output_text == "Checking."
+    call = r.output[1]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    # the call's answer continues the stored conversation
+    follow = tool_client.responses.create(model="smollm2", previous_response_id=r.id,
+                                          tools=RESPONSE_TOOLS, input=[{
+        "type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])  # fmt: skip
+    items = tool_client.responses.input_items.list(follow.id).data
+    assert [(i.type, i.call_id, i.output) for i in items] == [
+        ("function_call_output", call.call_id, "sunny")]  # fmt: skip
+    plain = tool_client.responses.create(model="smollm2", input="Hello", tools=RESPONSE_TOOLS)
+    assert [o.type for o in plain.output] == ["message"] and plain.output_text
+
+
+def test_responses_stream_a_call_as_its_events(tool_client):
+    events = list(tool_client.responses.create(model="smollm2", input="TOOLCALL weather?",
+                                               tools=RESPONSE_TOOLS, stream=True))  # fmt: skip
+    kinds = [e.type for e in events]
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == "Checking."  # the call never streams as text
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert json.loads(done.arguments) == {"city": "Paris"}
+    final = events[-1].response
+    assert [o.type for o in final.output] == ["message", "function_call"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))

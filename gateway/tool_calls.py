@@ -7,13 +7,16 @@ Formats (PARSERS):
   the text before the first call is the message's content.
 - "llama3" (Llama 3.1/3.2 JSON tool calling): the whole answer is a JSON object
   `{"name": ..., "parameters": {...}}`, or several joined by ";".
+- "mistral": the whole answer is `[TOOL_CALLS]` (a special token, so usually skipped
+  from the text) and a JSON array of `{"name": ..., "arguments": {...}}`.
 
 Theory of operation: `parse` reads a finished answer into (content, calls). A call
 whose JSON does not parse, or lacks a name, leaves the whole answer as content with
 no calls (an answer cut off by max_tokens mid-call is text, not a broken call).
 Streaming, `Splitter.push` releases content as it comes and holds text from where a
 call may begin (for qwen25 the tail that could be the start of `<tool_call>`, for
-llama3 an answer whose first character is `{`); `finish` parses what was held.
+llama3 an answer whose first character is `{`, for mistral `[`); `finish` parses
+what was held.
 
 Invariants: pure (no clock, no ids: the caller names the calls); the content
 released while streaming plus `finish`'s content equals `parse`'s content whenever
@@ -25,7 +28,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-PARSERS = ("qwen25", "hermes", "llama3")
+PARSERS = ("qwen25", "hermes", "llama3", "mistral")
+_WHOLE = {"llama3": "{", "mistral": "["}  # formats where the answer is the calls
+_MISTRAL_TAG = "[TOOL_CALLS]"
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
 Call = tuple[str, str]  # (function name, arguments as JSON text)
@@ -33,8 +38,8 @@ Call = tuple[str, str]  # (function name, arguments as JSON text)
 
 def parse(parser: str, text: str) -> tuple[str | None, list[Call]]:
     """(content, calls) of a finished answer; content None when only calls remain."""
-    if parser == "llama3":
-        calls = _llama3(text)
+    if parser in _WHOLE:
+        calls = _llama3(text) if parser == "llama3" else _mistral(text)
         return (None, calls) if calls else (text, [])
     start = text.find(_OPEN)
     if start < 0:
@@ -63,6 +68,25 @@ def _llama3(text: str) -> list[Call]:
     calls = []
     for part in _split_top_level(body):
         call = _call(part, "parameters", "arguments")
+        if call is None:
+            return []
+        calls.append(call)
+    return calls
+
+
+def _mistral(text: str) -> list[Call]:
+    body = text.strip().removeprefix(_MISTRAL_TAG).strip()
+    if not body.startswith("["):
+        return []
+    try:
+        items = json.loads(body)
+    except ValueError:
+        return []
+    if not isinstance(items, list) or not items:
+        return []
+    calls = []
+    for item in items:
+        call = _call(json.dumps(item), "arguments", "parameters")
         if call is None:
             return []
         calls.append(call)
@@ -116,9 +140,9 @@ class Splitter:
 
     def push(self, delta: str) -> str:
         self.text += delta
-        if self.parser == "llama3":
+        if self.parser in _WHOLE:
             stripped = self.text.lstrip()
-            if not stripped or stripped.startswith("{"):
+            if not stripped or stripped.startswith(_WHOLE[self.parser]):
                 return ""  # maybe a call: held to the end
             return self._release(len(self.text))
         at = self.text.find(_OPEN, self.sent)
@@ -131,7 +155,7 @@ class Splitter:
         _, calls = parse(self.parser, self.text)
         if not calls:
             return self._release(len(self.text), held_space=False), []
-        at = self.text.find(_OPEN) if self.parser != "llama3" else 0
+        at = 0 if self.parser in _WHOLE else self.text.find(_OPEN)
         return self._release(max(at, self.sent)), calls
 
     def _release(self, upto: int, *, held_space: bool = True) -> str:

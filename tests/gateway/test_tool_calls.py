@@ -49,9 +49,20 @@ def test_llama3_json_calls():
         assert parse("llama3", text) == (text, [])
 
 
+def test_mistral_json_array_calls():
+    two = '[{"name": "weather", "arguments": {"city": "Paris"}}, {"name": "time", "arguments": {}}]'
+    want = [("weather", '{"city": "Paris"}'), ("time", "{}")]
+    assert parse("mistral", two) == (None, want)
+    assert parse("mistral", "[TOOL_CALLS] " + two) == (None, want)  # the tag kept as text
+    for text in ("[a link](http://x) to read", "[]", '[{"arguments": {}}]', "Plain."):
+        assert parse("mistral", text) == (text, [])
+
+
 @pytest.mark.parametrize("parser, text", [("qwen25", QWEN_TWO), ("qwen25", "Plain <tool text."),
                                           ("llama3", '{"name": "f", "parameters": {"a": 1}}'),
-                                          ("llama3", "Plain text {not json}")])  # fmt: skip
+                                          ("llama3", "Plain text {not json}"),
+                                          ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {}}]'),
+                                          ("mistral", "[a link](x) then text")])  # fmt: skip
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
 def test_streaming_releases_content_and_holds_calls(parser, text, size):
     s = Splitter(parser)

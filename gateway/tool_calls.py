@@ -9,14 +9,17 @@ Formats (PARSERS):
   `{"name": ..., "parameters": {...}}`, or several joined by ";".
 - "mistral": the whole answer is `[TOOL_CALLS]` (a special token, so usually skipped
   from the text) and a JSON array of `{"name": ..., "arguments": {...}}`.
+- "pythonic" (Llama 3.2/4 and others): the whole answer is a Python list of calls with
+  keyword arguments, `[get_weather(city="Paris"), now()]`, read with `ast` (literals
+  only: nothing is evaluated).
 
 Theory of operation: `parse` reads a finished answer into (content, calls). A call
 whose JSON does not parse, or lacks a name, leaves the whole answer as content with
 no calls (an answer cut off by max_tokens mid-call is text, not a broken call).
 Streaming, `Splitter.push` releases content as it comes and holds text from where a
 call may begin (for qwen25 the tail that could be the start of `<tool_call>`, for
-llama3 an answer whose first character is `{`, for mistral `[`); `finish` parses
-what was held.
+llama3 an answer whose first character is `{`, for mistral and pythonic `[`);
+`finish` parses what was held.
 
 Invariants: pure (no clock, no ids: the caller names the calls); the content
 released while streaming plus `finish`'s content equals `parse`'s content whenever
@@ -25,11 +28,12 @@ there are no calls.
 
 from __future__ import annotations
 
+import ast
 import json
 from typing import Any
 
-PARSERS = ("qwen25", "hermes", "llama3", "mistral")
-_WHOLE = {"llama3": "{", "mistral": "["}  # formats where the answer is the calls
+PARSERS = ("qwen25", "hermes", "llama3", "mistral", "pythonic")
+_WHOLE = {"llama3": "{", "mistral": "[", "pythonic": "["}  # the answer is the calls
 _MISTRAL_TAG = "[TOOL_CALLS]"
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
@@ -39,7 +43,8 @@ Call = tuple[str, str]  # (function name, arguments as JSON text)
 def parse(parser: str, text: str) -> tuple[str | None, list[Call]]:
     """(content, calls) of a finished answer; content None when only calls remain."""
     if parser in _WHOLE:
-        calls = _llama3(text) if parser == "llama3" else _mistral(text)
+        read = {"llama3": _llama3, "mistral": _mistral, "pythonic": _pythonic}[parser]
+        calls = read(text)
         return (None, calls) if calls else (text, [])
     start = text.find(_OPEN)
     if start < 0:
@@ -90,6 +95,29 @@ def _mistral(text: str) -> list[Call]:
         if call is None:
             return []
         calls.append(call)
+    return calls
+
+
+def _pythonic(text: str) -> list[Call]:
+    body = text.strip()
+    if not body.startswith("["):
+        return []
+    try:
+        tree = ast.parse(body, mode="eval").body
+    except (SyntaxError, ValueError):
+        return []
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return []
+    calls = []
+    for node in tree.elts:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+                and all(k.arg for k in node.keywords)):  # fmt: skip
+            return []
+        try:
+            args = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+        except (ValueError, TypeError, SyntaxError):
+            return []
+        calls.append((node.func.id, json.dumps(args, ensure_ascii=False)))
     return calls
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "priority", "lof", "random")
-TOOL_CALL_PARSERS = ("qwen25", "hermes", "llama3", "mistral")  # gateway/tool_calls.py's
+TOOL_CALL_PARSERS = ("qwen25", "hermes", "llama3", "mistral", "pythonic")  # tool_calls.py's
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # other spellings of a dtype that SGLang and vLLM take, as ServerArgs stores them
 DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32",
@@ -185,7 +185,8 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("served_model_name", ("--served-model-name",), "model", "model name the API reports"),
     ("chat_template", ("--chat-template",), "model", "chat template file or inline template"),
     ("tool_call_parser", ("--tool-call-parser",), "model",
-     "how the model writes tool calls (qwen25/hermes, llama3, mistral): requests may pass tools"),
+     "how the model writes tool calls (qwen25/hermes, llama3, mistral, pythonic): requests "
+     "may pass tools"),
     ("random_seed", ("--random-seed", "--seed"), "model", "seed for request seeds"),
     ("trust_remote_code", ("--trust-remote-code",), "model",
      _compat("trust_remote_code")),

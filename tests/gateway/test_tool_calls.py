@@ -58,11 +58,21 @@ def test_mistral_json_array_calls():
         assert parse("mistral", text) == (text, [])
 
 
+def test_pythonic_calls_are_read_not_run():
+    text = '[get_weather(city="Paris", days=[1, 2]), now()]'
+    assert parse("pythonic", text) == (None, [("get_weather", '{"city": "Paris", "days": [1, 2]}'),
+                                               ("now", "{}")])  # fmt: skip
+    for bad in ("[f(1)]", "[__import__('os').system('x')]", "[f(a=g())]", "[x]", "[f(a=1)",
+                "Plain [f(a=1)] text"):  # fmt: skip
+        assert parse("pythonic", bad) == (bad, [])
+
+
 @pytest.mark.parametrize("parser, text", [("qwen25", QWEN_TWO), ("qwen25", "Plain <tool text."),
                                           ("llama3", '{"name": "f", "parameters": {"a": 1}}'),
                                           ("llama3", "Plain text {not json}"),
                                           ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {}}]'),
-                                          ("mistral", "[a link](x) then text")])  # fmt: skip
+                                          ("mistral", "[a link](x) then text"),
+                                          ("pythonic", '[f(a="x;y")]')])  # fmt: skip
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
 def test_streaming_releases_content_and_holds_calls(parser, text, size):
     s = Splitter(parser)

@@ -265,14 +265,7 @@ async def get_weights_by_name(request: web.Request) -> web.Response:
                           param="truncate_size")  # fmt: skip
     ctx.engine.check_available()
     q = WeightsQuery(new_id("weights-"), body.name, body.truncate_size)
-    timeout = ctx.config.query_timeout_s
-    try:
-        got = await ctx.engine.bus.request(q, reply=WeightsSlice,
-                                           match=lambda r: r.query_id == q.query_id,
-                                           timeout_s=timeout)  # fmt: skip
-    except TimeoutError:
-        raise APIError(504, f"the executor did not answer in {timeout:g} s",
-                       code="timeout") from None  # fmt: skip
+    got = await ctx.engine.ask(q, WeightsSlice, lambda r: r.query_id == q.query_id, "executor")
     if got.error:
         raise bad_request(got.error, param="name")
     return json_response(_nested(got.values, got.shape))

@@ -311,14 +311,19 @@ class Engine:
         self.check_available()
         return await self._query(query, DetokenizeReply)
 
-    async def _query(self, query, reply_type):
+    async def ask(self, msg, reply_type, match, who: str, timeout_s: float | None = None):
+        """Publish `msg` and return the first `reply_type` message `match` accepts; 504
+        naming `who` when none comes within timeout_s (default query_timeout_s)."""
+        timeout_s = self.config.query_timeout_s if timeout_s is None else timeout_s
         try:
-            reply = await self.bus.request(
-                query, reply=reply_type, match=lambda r: r.query_id == query.query_id,
-                timeout_s=self.config.query_timeout_s,
-            )  # fmt: skip
+            return await self.bus.request(msg, reply=reply_type, match=match, timeout_s=timeout_s)
         except TimeoutError:
-            raise APIError(504, "the tokenizer did not answer in time", code="timeout") from None
+            raise APIError(504, f"the {who} did not answer in {timeout_s:g} s",
+                           code="timeout") from None  # fmt: skip
+
+    async def _query(self, query, reply_type):
+        reply = await self.ask(query, reply_type, lambda r: r.query_id == query.query_id,
+                               "tokenizer")  # fmt: skip
         if reply.error:
             raise APIError(400, reply.error)
         return reply
@@ -337,12 +342,5 @@ class Engine:
 
     async def flush_cache(self) -> TreeDropped:
         flip_id = new_id("flush-")
-        try:
-            return await self.bus.request(
-                DropTree(flip_id, include_locked=False), reply=TreeDropped,
-                match=lambda t: t.flip_id == flip_id, timeout_s=self.config.query_timeout_s,
-            )  # fmt: skip
-        except TimeoutError:
-            raise APIError(
-                504, "the cache manager did not answer in time", code="timeout"
-            ) from None
+        return await self.ask(DropTree(flip_id, include_locked=False), TreeDropped,
+                              lambda t: t.flip_id == flip_id, "cache manager")  # fmt: skip

@@ -72,14 +72,8 @@ def _start_msg(body: StartBody) -> ProfileStart:
 async def _ask(request: web.Request, msg: ProfileStart | ProfileStop, timeout_s: float):
     ctx = ctx_of(request)
     ctx.engine.check_available()
-    try:
-        return await ctx.engine.bus.request(
-            msg, reply=ProfileStatus, match=lambda s: s.request_id == msg.request_id,
-            timeout_s=timeout_s,
-        )  # fmt: skip
-    except TimeoutError:
-        raise APIError(504, f"the executor did not answer in {timeout_s:g} s",
-                       code="timeout") from None  # fmt: skip
+    return await ctx.engine.ask(msg, ProfileStatus, lambda s: s.request_id == msg.request_id,
+                                "executor", timeout_s)  # fmt: skip
 
 
 def _reply(status: ProfileStatus, message: str) -> web.Response:

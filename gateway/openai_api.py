@@ -55,6 +55,7 @@ from shunter.gateway.validation import (
     decode_body,
     generation_prompt,
     sampling_from,
+    tool_parser,
 )
 
 routes = web.RouteTableDef()
@@ -243,7 +244,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_n(req.n, ctx.limits)
     messages: list[ChatMessage] = chat_messages(req.messages)
     add_gen = generation_prompt(req.add_generation_prompt, req.continue_final_message)
-    parser = _tool_parser(req, ctx.config.tool_call_parser)
+    parser = tool_parser(req.tools, req.tool_choice, ctx.config.tool_call_parser)
     tools = check_tools(req.tools or []) if parser else []
     if req.response_format is not None and req.response_format.type != "text":
         raise bad_request(
@@ -318,20 +319,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         "id": base_id, "object": "chat.completion", "created": created, "model": model,
         "choices": choices, "usage": usage(accs, req.n),
     })  # fmt: skip
-
-
-def _tool_parser(req: ChatCompletionRequest, parser: str | None) -> str | None:
-    """The tool-call parser this request's answers go through (None: no tools)."""
-    if req.tool_choice not in (None, "auto", "none"):
-        raise bad_request("tool_choice must be 'auto' or 'none': a required or named call "
-                          "needs constrained decoding, which this server does not do",
-                          param="tool_choice")  # fmt: skip
-    if not req.tools or req.tool_choice == "none":
-        return None
-    if parser is None:
-        raise bad_request("tools need a server started with --tool-call-parser "
-                          f"({', '.join(tool_calls.PARSERS)})", param="tools")  # fmt: skip
-    return parser
 
 
 async def _stream_chat(request, ctx: Ctx, req, gens, head, num_top,

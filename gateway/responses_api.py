@@ -61,6 +61,7 @@ from shunter.gateway.validation import (
     check_model,
     decode_body,
     sampling_from,
+    tool_parser,
 )
 
 routes = web.RouteTableDef()
@@ -121,22 +122,10 @@ class ResponsesRequest(SamplingFields, kw_only=True):
     truncation: str | None = None
 
 
-def _tools(req: ResponsesRequest, parser: str | None) -> tuple[list[dict], str | None]:
-    """The request's tools in chat form and the parser its answer goes through."""
-    if not req.tools or req.tool_choice == "none":
-        return [], None
-    if parser is None:
-        raise bad_request("tools need a server started with --tool-call-parser "
-                          f"({', '.join(tool_calls.PARSERS)})", param="tools")  # fmt: skip
-    return chat_tools(req.tools), parser
-
-
 def _refuse_unsupported(req: ResponsesRequest) -> None:
     def refuse(param: str, what: str) -> None:
         raise bad_request(f"{what} is not supported by this server", param=param)
 
-    if req.tool_choice not in (None, "none", "auto"):
-        refuse("tool_choice", "tool_choice")
     if req.text is not None and req.text.format is not None and req.text.format.type != "text":
         refuse("text", f"text format {req.text.format.type!r} (only 'text')")
     if req.reasoning is not None:
@@ -213,7 +202,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
     req = decode_body(await read_body(request), ResponsesRequest)
     check_model(req.model, ctx.config.served_model_name)
     _refuse_unsupported(req)
-    tools, parser = _tools(req, ctx.config.tool_call_parser)
+    parser = tool_parser(req.tools, req.tool_choice, ctx.config.tool_call_parser)
+    tools = chat_tools(req.tools or []) if parser else []
     store = request.app[STORE]
     before: list[ChatMessage] = []
     if req.previous_response_id is not None:

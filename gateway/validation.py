@@ -15,6 +15,7 @@ import msgspec
 
 from shunter.bus.messages import ChatMessage, SamplingParams
 from shunter.gateway.errors import APIError, bad_request
+from shunter.gateway.tool_calls import PARSERS
 
 T = TypeVar("T")
 
@@ -355,6 +356,19 @@ def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
         out.append(ChatMessage("system" if m.role == "developer" else m.role, text, calls,
                                m.tool_call_id))  # fmt: skip
     return out
+
+
+def tool_parser(tools: list[Any] | None, tool_choice: Any, parser: str | None) -> str | None:
+    """The tool-call parser a request's answer goes through (None: no tools), from its
+    tools, its tool_choice and the server's --tool-call-parser."""
+    _check(tool_choice in (None, "auto", "none"),
+           "tool_choice must be 'auto' or 'none': a required or named call needs constrained "
+           "decoding, which this server does not do", "tool_choice")  # fmt: skip
+    if not tools or tool_choice == "none":
+        return None
+    _check(parser is not None, "tools need a server started with --tool-call-parser "
+           f"({', '.join(PARSERS)})", "tools")  # fmt: skip
+    return parser
 
 
 def check_tools(tools: list[Any]) -> list[dict[str, Any]]:

@@ -275,54 +275,48 @@ class LlamaForCausalLM(nn.Module):
         """The tensor HF's checkpoint name `name` loads into (a view of the fused one for
         q/k/v and gate/up; the embedding for a tied lm_head). KeyError when the model
         holds none by that name (packed projections hold no float weight)."""
-        params = dict(self.named_parameters())
         if name == "lm_head.weight" and self.lm_head is None:
             name = "model.embed_tokens.weight"
+        slot = self._hf_slot(name, dict(self.named_parameters()))
+        if slot is None:
+            raise KeyError(name)
+        return slot[1]
+
+    def _hf_slot(
+        self, name: str, params: dict[str, nn.Parameter]
+    ) -> tuple[str, torch.Tensor] | None:
+        """(our parameter's name, the view of it) that HF's tensor `name` fills; None
+        when there is none."""
         c = self.config
-        qkv_sizes, mlp_sizes = [c.q_size, c.kv_size, c.kv_size], [c.intermediate_size] * 2
         for hf, ours, shard in _STACKED:
             if f".{hf}." in name:
-                sizes = qkv_sizes if "qkv" in ours else mlp_sizes
-                p = params.get(name.replace(hf, ours))
+                target = name.replace(hf, ours)
+                p = params.get(target)
                 if p is None:
-                    raise KeyError(name)
-                return p.data.narrow(0, sum(sizes[:shard]), sizes[shard])
-        if name not in params:
-            raise KeyError(name)
-        return params[name].data
+                    return None
+                qkv = [c.q_size, c.kv_size, c.kv_size]
+                sizes = qkv if "qkv" in ours else [c.intermediate_size] * 2
+                return target, p.data.narrow(0, sum(sizes[:shard]), sizes[shard])
+        p = params.get(name)
+        return None if p is None else (name, p.data)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the parameters (fusing q/k/v and gate/up).
         Returns the parameter names that were filled; raises ValueError on an unknown
         name or a shape mismatch."""
         params = dict(self.named_parameters())
-        c = self.config
-        qkv_sizes = [c.q_size, c.kv_size, c.kv_size]
-        mlp_sizes = [c.intermediate_size, c.intermediate_size]
         filled: dict[str, int] = {}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
-            for hf, ours, shard in _STACKED:
-                if f".{hf}." in name:
-                    target = name.replace(hf, ours)
-                    sizes = qkv_sizes if "qkv" in ours else mlp_sizes
-                    p = params.get(target)
-                    if p is None:
-                        raise ValueError(f"checkpoint tensor {name} has no place in the model")
-                    start = sum(sizes[:shard])
-                    dst = p.data.narrow(0, start, sizes[shard])
-                    _copy(name, dst, tensor)
-                    filled[target] = filled.get(target, 0) + 1
-                    break
-            else:
-                p = params.get(name)
-                if p is None:
-                    raise ValueError(f"checkpoint tensor {name} has no place in the model")
-                _copy(name, p.data, tensor)
-                filled[name] = filled.get(name, 0) + 1
+            slot = self._hf_slot(name, params)
+            if slot is None:
+                raise ValueError(f"checkpoint tensor {name} has no place in the model")
+            target, dst = slot
+            _copy(name, dst, tensor)
+            filled[target] = filled.get(target, 0) + 1
         expected_parts = {n: 3 if "qkv_proj" in n else 2 if "gate_up" in n else 1 for n in params}
         missing = sorted(n for n in params if filled.get(n, 0) < expected_parts[n])
         if missing:

@@ -39,12 +39,11 @@ class Profiler:
         self.device = device
         self._prof = None  # the running torch.profiler.profile
         self._start: ProfileStart | None = None
-        self._path = ""
         self._steps = 0
 
     @property
     def running(self) -> bool:
-        return self._prof is not None
+        return self._start is not None
 
     def trace_path(self, msg: ProfileStart) -> str:
         name = _SAFE.sub("_", f"{msg.request_id}-{self.actor_id}")
@@ -82,12 +81,13 @@ class Profiler:
         prof = profile(activities=activities, record_shapes=msg.record_shapes,
                        with_stack=msg.with_stack, **_all_threads())  # fmt: skip
         prof.start()
-        self._prof, self._start, self._path, self._steps = prof, msg, self.trace_path(msg), 0
+        self._prof, self._start, self._steps = prof, msg, 0
+        path = self.trace_path(msg)
         names = [a.name for a in activities]
         log.info("profile started", profile_id=msg.request_id, activities=names,
-                 num_steps=msg.num_steps, trace_path=self._path)  # fmt: skip
+                 num_steps=msg.num_steps, trace_path=path)  # fmt: skip
         return ProfileStatus(msg.request_id, self.actor_id, True, "started",
-                             f"recording {', '.join(names)}", msg.request_id, self._path)  # fmt: skip
+                             f"recording {', '.join(names)}", msg.request_id, path)  # fmt: skip
 
     def step_done(self) -> bool:
         """Count one published step; True when the session asked for no more."""
@@ -102,7 +102,8 @@ class Profiler:
         if self._start is None or self._prof is None:
             return ProfileStatus(request_id or "", self.actor_id, False, "refused",
                                  "no profile is running; start one with /start_profile")  # fmt: skip
-        prof, start, path, steps = self._prof, self._start, self._path, self._steps
+        prof, start, steps = self._prof, self._start, self._steps
+        path = self.trace_path(start)
         self._prof, self._start = None, None
         ok, message = True, f"{steps} steps recorded"
         try:

@@ -82,6 +82,10 @@ class DecodeGraphs:
                         if runner.decode_backend(bs) == "flashinfer"}  # fmt: skip
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
+        # one side stream for every capture_all: torch keeps a cuBLAS workspace (32 MiB on
+        # Hopper) per stream it has seen, for good, so a new stream per recapture (after
+        # each memory release) would leave one more workspace allocated each time
+        self._stream: torch.cuda.Stream | None = None
 
     def bucket(self, bs: int) -> int | None:
         """The smallest captured size >= bs, or None if bs is above them all."""
@@ -118,7 +122,9 @@ class DecodeGraphs:
         r = self.runner
         r.model.cos_sin_cache(r.slot_table.width)  # grown now, never inside a graph
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(r.device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(r.device)
+        stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(r.device))
         sizes = sorted(self.sizes, reverse=True)
         for bs in tqdm(sizes, desc="capturing decode graphs", unit="graph", disable=not progress):

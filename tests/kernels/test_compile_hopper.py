@@ -83,7 +83,8 @@ def compile_all() -> dict[str, dict]:
         prologue = getattr(lt, pname)
         k = 14336 if prologue == lt.SILU_MUL else 4096
         block_n, block_k, warps = lt.gemv_config(4096, k, prologue)
-        consts = dict(PROLOGUE=prologue, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=block_n,
+        # M=1 as the JIT specializes a one-row step's int argument equal to 1
+        consts = dict(M=1, PROLOGUE=prologue, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=block_n,
                       BLOCK_K=block_k, USE_PDL=True, W_EVICT="")  # fmt: skip
         out.update([_run(f"gemv-{pname}", lambda c=consts, w=warps: _compile(
             lt._gemv_kernel, gemv_ptrs, c, num_warps=w))])  # fmt: skip

@@ -96,15 +96,22 @@ class _Timer:
     def __init__(self, device: torch.device, reps: int) -> None:
         self.cuda = device.type == "cuda"
         self.reps = reps
+        # one side stream for every warm-up and capture, as the decode graphs do: cuBLAS
+        # then takes its workspace for that stream in a warm-up, outside any graph's pool
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
 
     def prepare(self, fn):
-        fn()  # compiles, and warms flashinfer-style caches before a capture
         if not self.cuda:
+            fn()  # compiles
             return fn
-        torch.cuda.synchronize()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            fn()  # compiles, and settles the allocator and cuBLAS's workspace
+        self.stream.synchronize()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        with torch.cuda.graph(g, stream=self.stream):
             fn()
+        torch.cuda.current_stream().wait_stream(self.stream)
         return g.replay
 
     def time(self, run) -> float:
@@ -127,6 +134,29 @@ class _Timer:
         return best
 
 
+def _time_shape(args, lt, timer, name, n, k, grid, policies, gen, dev, dtype) -> dict:
+    """Every config's (and cuBLAS's) times for one shape over the interleaved passes.
+    The graphs are captured and dropped shape by shape: with several shapes' graphs
+    alive at once, replaying the first shape's cuBLAS graph hit an illegal address on
+    an H100 (torch 2.11), which one shape per sweep never did."""
+    ws = [(torch.randn(n, k, generator=gen) * 0.02).to(dev, dtype) for _ in range(args.layers)]
+    x = torch.randn(1, k, generator=gen).to(dev, dtype)
+    runs = {(name, "cublas"): timer.prepare(lambda: [F.linear(x, w) for w in ws])}
+    padded_k = max(16, 1 << (k - 1).bit_length())
+    configs = dict.fromkeys([c for c in grid if c[1] <= padded_k] + [lt.gemv_config(n, k)])
+    for c, p in itertools.product(configs, policies):
+        runs[(name, (c, p))] = timer.prepare(
+            lambda c=c, p=p: [lt.linear_gemv_triton(x, w, config=c, eviction=p) for w in ws]
+        )
+    times: dict[tuple[str, object], list[float]] = {key: [] for key in runs}
+    for _ in range(args.passes):
+        for key, run in runs.items():
+            times[key].append(timer.time(run))
+    if timer.cuda:
+        torch.cuda.synchronize()
+    return times
+
+
 def sweep(args: argparse.Namespace) -> dict:
     from shunter.kernels import linear_triton as lt
 
@@ -136,23 +166,9 @@ def sweep(args: argparse.Namespace) -> dict:
     policies = parse_evictions(args.evictions)
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
     timer = _Timer(dev, args.reps)
-    runs: dict[tuple[str, object], object] = {}
-    for name, (n, k) in shapes.items():
-        ws = [(torch.randn(n, k, generator=gen) * 0.02).to(dev, dtype) for _ in range(args.layers)]
-        x = torch.randn(1, k, generator=gen).to(dev, dtype)
-        runs[(name, "cublas")] = timer.prepare(lambda x=x, ws=ws: [F.linear(x, w) for w in ws])
-        padded_k = max(16, 1 << (k - 1).bit_length())
-        configs = dict.fromkeys([c for c in grid if c[1] <= padded_k] + [lt.gemv_config(n, k)])
-        for c, p in itertools.product(configs, policies):
-            runs[(name, (c, p))] = timer.prepare(
-                lambda x=x, ws=ws, c=c, p=p: [
-                    lt.linear_gemv_triton(x, w, config=c, eviction=p) for w in ws
-                ]
-            )
-    times: dict[tuple[str, object], list[float]] = {key: [] for key in runs}
-    for _ in range(args.passes):
-        for key, run in runs.items():
-            times[key].append(timer.time(run))
+    times: dict[tuple[str, object], list[float]] = {}
+    for name, (n, k) in shapes.items():  # one shape's graphs at a time (see _time_shape)
+        times.update(_time_shape(args, lt, timer, name, n, k, grid, policies, gen, dev, dtype))
     summary: dict = {"device": str(dev), "layers": args.layers, "shapes": {}}
     for name, (n, k) in shapes.items():
         nbytes = n * k * torch.empty(0, dtype=dtype).element_size() * args.layers

@@ -37,10 +37,12 @@ weights, syncs them, then resumes the KV cache).
 Invariants: FlipDone is published once FlipBegin was, whatever happened between
 (timeout, refusal, cancellation of the HTTP request). The drain may be cancelled (the
 caller left, or its timeout passed); from UpdateWeights on the flip is shielded and
-runs to its end, each stage bounded by the load timeout. An executor that answers
-after that timeout may still copy the weights in; the flip then reports failure
-although they changed (and the prefix cache was kept): a load timeout must exceed a
-checkpoint's load time.
+runs to its end, each stage bounded by the load timeout. An executor that has not
+answered UpdateWeights by then may still copy the checkpoint in, so the flip drops the
+prefix cache before it ends (a 504): nothing computed with the old weights is reused
+once they change, and requests admitted after the flip queue behind the load, since
+the executor takes its inbox in order. The version stays the old one; a load timeout
+should exceed a checkpoint's load time.
 """
 
 from __future__ import annotations
@@ -252,7 +254,20 @@ class Flips:
     ) -> tuple[bool, str]:
         """New weights into the executor, then the prefix cache dropped: (ok, message)."""
         await self.bus.publish(UpdateWeights(flip_id, model_path, load_format))
-        done = await self._next(sub, flip_id, WeightsUpdated, self.load_timeout_s)
+        try:
+            done = await self._next(sub, flip_id, WeightsUpdated, self.load_timeout_s)
+        except APIError as e:
+            if e.status != 504:
+                raise
+            # the load may still finish: drop what the old weights computed (module docstring)
+            await self.bus.publish(DropTree(flip_id, include_locked=True))
+            dropped = "dropped"
+            try:
+                await self._next(sub, flip_id, TreeDropped, self.load_timeout_s)
+            except APIError:
+                dropped = "asked to drop (no answer)"
+            raise APIError(504, f"{e.message}; the executor may still load the checkpoint, so "
+                                f"the prefix cache was {dropped}", code="timeout") from None  # fmt: skip
         if not done.ok:
             return False, done.message
         await self.bus.publish(DropTree(flip_id, include_locked=True))

@@ -82,6 +82,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     ebnf: Any = None
     json_schema: Any = None
     structural_tag: Any = None
+    stop_regex: str | list[str] | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -176,11 +177,14 @@ def check_model(requested: str | None, served: str) -> None:
         )
 
 
-def stop_list(stop: str | list[str] | None) -> list[str]:
+def stop_list(stop: str | list[str] | None, param: str = "stop") -> list[str]:
+    """`stop` or `stop_regex` as a list (the tokenizer compiles the regexes: a pattern
+    it refuses is a 400 from there)."""
     if stop is None:
         return []
     stops = [stop] if isinstance(stop, str) else list(stop)
-    _check(all(stops), "stop strings must not be empty", "stop")
+    what = "stop strings" if param == "stop" else "stop regexes"
+    _check(all(stops), f"{what} must not be empty", param)
     return stops
 
 
@@ -217,7 +221,7 @@ def sampling_from(
     req: SamplingFields, *, max_new_tokens: int, return_logprob: bool, top_logprobs_num: int
 ) -> SamplingParams:
     """OpenAI request -> SamplingParams, checking every range (seed is set per choice)."""
-    for name in ("regex", "ebnf", "json_schema", "structural_tag", "stop_regex"):
+    for name in ("regex", "ebnf", "json_schema", "structural_tag"):
         if getattr(req, name, None) is not None:
             raise bad_request(
                 f"{name}: constrained decoding is not supported by this server", param=name
@@ -278,6 +282,7 @@ def sampling_from(
         presence_penalty=pres,
         min_new_tokens=req.min_tokens,
         stop=stop_list(req.stop),
+        stop_regex=stop_list(req.stop_regex, "stop_regex"),
         stop_token_ids=stop_ids,
         ignore_eos=req.ignore_eos,
         skip_special_tokens=req.skip_special_tokens,
@@ -408,7 +413,7 @@ class NativeSamplingParams(msgspec.Struct, kw_only=True):
     ebnf: Any = None
     json_schema: Any = None
     structural_tag: Any = None
-    stop_regex: Any = None
+    stop_regex: str | list[str] | None = None
 
     @property
     def min_tokens(self) -> int:

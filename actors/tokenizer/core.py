@@ -12,8 +12,9 @@ Outbound, each `TokensOut` (one scheduler step) becomes one `TextDeltas` holding
 deltas that are due: a request's first and last delta always, the others once
 `stream_interval` tokens (`non_stream_interval` when not streamed) are pending. Every running
 request owns an incremental detokenizer and a stop-string matcher (detok.py). When a stop
-string matches, the request's last delta carries finish_reason "stop" and the matched
-string, and an `AbortRequest(reason="stop_string")` tells the scheduler to stop it; the
+string or a stop regex matches, the request's last delta carries finish_reason "stop"
+and the matched string (a regex's pattern), and an `AbortRequest(reason="stop_string")`
+tells the scheduler to stop it; the
 scheduler's later outputs for it are dropped. A finished request whose stop was a token
 id has that token's text trimmed unless `no_stop_trim`.
 
@@ -41,6 +42,7 @@ from shunter.actors.tokenizer.chat import ChatTemplateError
 from shunter.actors.tokenizer.config import TokenizerConfig
 from shunter.actors.tokenizer.detok import IncrementalDetokenizer, StopStringMatcher
 from shunter.actors.tokenizer.loading import IdsCodec, TextCodec
+from shunter.actors.tokenizer.stop_regex import StopRegex, compile_stop_regex
 from shunter.bus.messages import (
     AbortRequest,
     ActorDied,
@@ -204,6 +206,19 @@ class TokenizerCore:
             self._num_rejected += 1
             return RequestFailed(req.request_id, e.code, e.message, 400)
 
+    def _stop_regexes(self, patterns: list[str]) -> list[StopRegex]:
+        """The request's stop regexes compiled (a refused one is the request's 400)."""
+        if len(patterns) > self.config.max_stop_strings:
+            raise _Invalid("invalid_request", f"{len(patterns)} stop regexes; at most "
+                           f"{self.config.max_stop_strings}")  # fmt: skip
+        if patterns and not self.codec.has_text:
+            raise _Invalid("invalid_request", f"{NO_TOKENIZER}: stop regexes cannot match; "
+                           "use stop_token_ids")  # fmt: skip
+        try:
+            return [compile_stop_regex(p) for p in patterns]
+        except ValueError as e:
+            raise _Invalid("invalid_request", str(e)) from None
+
     def _tokenize_checked(self, req: GenerateRequest) -> Tokenized:
         if req.request_id in self._active:
             raise _Invalid("invalid_request", f"request id {req.request_id!r} is already running")
@@ -223,6 +238,7 @@ class TokenizerCore:
                 "invalid_request",
                 f"stop strings are limited to {self.config.max_stop_len_chars} characters",
             )
+        regexes = self._stop_regexes(sp.stop_regex)
         vocab = self.codec.vocab_size
         named = (*sp.stop_token_ids, *sp.logit_bias, *sp.token_ids_logprob)
         bad_ids = [i for i in named if not 0 <= i < vocab]
@@ -265,7 +281,7 @@ class TokenizerCore:
                 skip_special_tokens=sp.skip_special_tokens,
                 spaces_between_special_tokens=sp.spaces_between_special_tokens,
             ),
-            StopStringMatcher(sp.stop, no_stop_trim=sp.no_stop_trim),
+            StopStringMatcher(sp.stop, no_stop_trim=sp.no_stop_trim, regexes=regexes),
             sampling,
             n,
             ids if sp.logprob_start_len >= 0 else [],
@@ -331,7 +347,7 @@ class TokenizerCore:
         if finished:
             chunk += state.detok.flush()
         matched: str | None = None
-        if sp.stop and state.num_output_tokens >= sp.min_new_tokens:
+        if (sp.stop or sp.stop_regex) and state.num_output_tokens >= sp.min_new_tokens:
             text, matched = state.stops.push(chunk, final=finished)
         else:  # no stop strings, or too early for them to count: release everything
             text, state.stops.pending = state.stops.pending + chunk, ""

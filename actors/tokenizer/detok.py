@@ -13,7 +13,10 @@ window, so decoders that drop a piece's leading space see it in context.
 Stop strings: text that has been decoded but not yet sent is held in `pending`. After
 each chunk the pending text is searched for every stop string (earliest match wins);
 without a match, the longest suffix of the pending text that could still begin a stop
-string is held back and the rest is released.
+string is held back and the rest is released. Stop regexes (stop_regex.py) read each
+chunk once, as it comes; the first match to complete stops the request, and text from
+the earliest start a match may still have on is held back as well. Where a stop string
+and a regex both match in one chunk, the match starting first wins.
 
 Invariants
 ----------
@@ -25,6 +28,8 @@ Invariants
   longer suffix a prefix of that stop string, and it would have been held.
 - Text released before a stop match plus the final chunk equals the decoded output cut
   at the match (plus the stop string itself when `no_stop_trim`).
+- `_base` is the offset, in the text the regex scanners have read, of `pending`'s first
+  character: scanners and the pending text always cover the same text.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from typing import Protocol
+
+from shunter.actors.tokenizer.stop_regex import RegexScanner, StopRegex
 
 REPLACEMENT_CHAR = "\ufffd"
 # A UTF-8 character is at most 4 bytes, so at most 4 byte-level tokens; more held ids
@@ -133,39 +140,56 @@ class IncrementalDetokenizer:
 
 
 class StopStringMatcher:
-    """Finds stop strings in streamed text and holds back what could begin one."""
+    """Finds stop strings and stop regexes in streamed text and holds back what could
+    begin a match."""
 
-    def __init__(self, stops: Sequence[str], *, no_stop_trim: bool = False) -> None:
+    def __init__(self, stops: Sequence[str], *, no_stop_trim: bool = False,
+                 regexes: Sequence[StopRegex] = ()) -> None:  # fmt: skip
         self._stops = [s for s in stops if s]
         self._no_trim = no_stop_trim
         self._max_len = max((len(s) for s in self._stops), default=0)
         self._first_chars = frozenset(s[0] for s in self._stops)
+        self._scanners = [RegexScanner(r) for r in regexes]
+        self._base = 0
         self.pending = ""
 
     def push(self, chunk: str, *, final: bool = False) -> tuple[str, str | None]:
-        """Add text; return (text to release, the stop string that matched or None).
-        After a match the request is over: the caller stops pushing."""
+        """Add text; return (text to release, the stop string or the pattern of the stop
+        regex that matched, or None). After a match the request is over: the caller
+        stops pushing."""
         buf = self.pending + chunk
-        if not self._stops:
+        if not self._stops and not self._scanners:
             self.pending = ""
             return buf, None
-        best_pos, best = -1, None
+        best_pos, best_end, best = -1, -1, None
         for s in self._stops:
             pos = buf.find(s)
             if pos >= 0 and (
                 best is None or pos < best_pos or (pos == best_pos and len(s) > len(best))
             ):
-                best_pos, best = pos, s
+                best_pos, best_end, best = pos, pos + len(s), s
+        for scanner in self._scanners:
+            hit = scanner.feed(chunk)
+            if hit is not None and (best is None or hit[0] - self._base < best_pos):
+                best_pos, best_end, best = (
+                    hit[0] - self._base,
+                    hit[1] - self._base,
+                    scanner.regex.pattern,
+                )
         if best is not None:
             self.pending = ""
-            end = best_pos + len(best) if self._no_trim else best_pos
-            return buf[:end], best
+            return buf[: best_end if self._no_trim else best_pos], best
         if final:
             self.pending = ""
             return buf, None
-        hold = self._held_suffix_len(buf)
-        self.pending = buf[len(buf) - hold :] if hold else ""
-        return buf[: len(buf) - hold], None
+        cut = len(buf) - self._held_suffix_len(buf)
+        for scanner in self._scanners:
+            live = scanner.earliest_live_start()
+            if live is not None:
+                cut = min(cut, live - self._base)
+        self.pending = buf[cut:]
+        self._base += cut
+        return buf[:cut], None
 
     def _held_suffix_len(self, buf: str) -> int:
         first_chars = self._first_chars

@@ -38,6 +38,9 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # These tokens' logprobs at every position that reports logprobs, each position's
     # list of them following its top_logprobs_num top tokens (SGLang's token_ids_logprob)
     token_ids_logprob: list[int] = []
+    # stop regexes, matched by the tokenizer on detokenized text as the stop strings are
+    # (actors/tokenizer/stop_regex.py: linear-time, the syntax Python's re shares with it)
+    stop_regex: list[str] = []
 
 
 class ChatMessage(msgspec.Struct, frozen=True, array_like=True, gc=False):

@@ -304,9 +304,40 @@ def test_a_burst_with_one_preamble_computes_it_once(client, model):
     assert cached[0] == 0 and all(c >= 100 for c in cached[1:]), cached
 
 
+def test_stop_regex_cuts_the_output_where_its_first_match_starts(client, model, server):
+    """A regex built from the greedy output's own words stops the same generation
+    there, through the openai client (extra_body, streamed and not) and /generate."""
+    import re
+
+    kw = dict(model=model, prompt="The quick brown fox jumps over the lazy dog. Once upon a time,",
+              max_tokens=32, temperature=0)  # fmt: skip
+    full = client.completions.create(**kw).choices[0].text
+    words = re.findall(r"[A-Za-z]{3,}", full)
+    assert len(words) >= 4, full
+    pattern = rf"{words[2]}\W+[a-z]+"
+    first = re.search(pattern, full)
+    r = client.completions.create(**kw, extra_body={"stop_regex": pattern})
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (full[: first.start()], "stop")
+    chunks = list(
+        client.completions.create(**kw, stream=True, extra_body={"stop_regex": [pattern]})
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full[: first.start()]
+    status, body = post(server, "/generate", {"text": kw["prompt"], "sampling_params": {
+        "temperature": 0, "max_new_tokens": 32, "stop_regex": pattern, "no_stop_trim": True}})  # fmt: skip
+    assert status == 200, body
+    out = json.loads(body)  # kept up to where a match first completed (not re's greedy end)
+    end = next(
+        e for e in range(first.start(), len(full)) if re.fullmatch(pattern, full[first.start() : e])
+    )
+    assert out["text"] == full[:end]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "fragment"),
     [
+        ("/v1/completions", {"prompt": "x", "stop_regex": "a(?=b)"}, 400, "lookaround"),
+        ("/generate", {"text": "x", "sampling_params": {"stop_regex": [""]}}, 400, "stop_regex"),
         ("/v1/completions", b"{not json", 400, "JSON"),
         ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),

@@ -103,6 +103,9 @@ def test_eos_joins_stop_token_ids_unless_ignore_eos(core):
             "260 were",
         ),
         (_gen(text="x", sampling={"stop": [""]}), "invalid_request", "stop strings"),
+        (_gen(text="x", sampling={"stop_regex": ["(a)\\1"]}), "invalid_request", "backreferences"),
+        (_gen(text="x", sampling={"stop_regex": ["x*"]}), "invalid_request", "empty string"),
+        (_gen(text="x", sampling={"stop_regex": ["x"] * 33}), "invalid_request", "33 stop regexes"),
         (_gen(messages=[]), "invalid_request", "messages"),
         (_gen(text="x", sampling={"stop_token_ids": [49152]}), "invalid_request", "49152"),
         (_gen(text="x", sampling={"logit_bias": {-3: 1.0}}), "invalid_request", "logit_bias"),
@@ -142,6 +145,17 @@ def test_stop_string_across_tokens_is_trimmed_and_aborts(codec, core):
     assert core.handle(_tokens("s", [5], 99)) == []
     assert core.handle(_tokens("s", [5], 100, finish_reason="abort")) == []
     assert core.statistics().num_stop_string_matches == 1
+
+
+def test_stop_regex_across_tokens_is_trimmed_and_aborts(codec, core):
+    text = "Step 1: mix. Step 2: bake at 180 degrees. Step 3: eat."
+    pattern = r"\d{3} degrees"
+    core.handle(_gen("r", text="q", sampling={"stop_regex": [pattern]}))
+    deltas, other = _feed(core, "r", codec.encode(text))
+    assert "".join(d.text for d in deltas) == "Step 1: mix. Step 2: bake at "
+    assert (deltas[-1].finish_reason, deltas[-1].matched_stop) == ("stop", pattern)
+    assert other == [AbortRequest("r", "stop_string", pattern)]
+    assert all("18" not in d.text for d in deltas)  # the match's start never leaked
 
 
 def test_stop_string_no_trim_keeps_it(codec, core):

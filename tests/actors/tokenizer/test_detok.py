@@ -116,6 +116,58 @@ def test_stop_matcher_final_releases_held_text():
     assert m.push("", final=True) == ("EN", None)
 
 
+def _rx(*patterns):
+    from shunter.actors.tokenizer.stop_regex import StopRegex
+
+    return [StopRegex(p) for p in patterns]
+
+
+def test_stop_regex_holds_back_from_where_a_match_may_still_start():
+    m = StopStringMatcher([], regexes=_rx(r"Answer: \d+\."))
+    assert m.push("so. Answer") == ("so. ", None)  # "Answer" may begin a match
+    assert m.push(": 4") == ("", None)
+    assert m.push("2, no") == ("Answer: 42, no", None)  # it did not
+    assert m.push(" Answer: 7.") == (" ", r"Answer: \d+\.")  # cut at the match's start
+
+
+def test_stop_regex_and_stop_strings_the_match_starting_first_wins():
+    m = StopStringMatcher(["zz"], regexes=_rx("b+c"), no_stop_trim=True)
+    assert m.push("abbbczz") == ("abbbc", "b+c")
+    m = StopStringMatcher(["ab"], regexes=_rx("b+c"))
+    assert m.push("abbbc") == ("", "ab")
+    m = StopStringMatcher([], regexes=_rx("x+y", "[0-9]"))
+    assert m.push("xx 1 y") == ("xx ", "[0-9]")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    text=st.text(alphabet="ab c\n9", max_size=24),
+    cuts=st.lists(st.integers(0, 24), max_size=6),
+    trim=st.booleans(),
+)
+def test_stop_regex_any_chunking_releases_the_output_cut_at_the_first_match(text, cuts, trim):
+    """Released chunks plus the final one equal the text cut where the first match to
+    complete starts (or ends, with no_stop_trim), however the text was split."""
+    import re
+
+    pattern = "a[b ]*c|99"
+    ends = [e for e in range(1, len(text) + 1) if re.search(f"(?:{pattern})$", text[:e])]
+    want, matched = text, None
+    if ends:
+        e = ends[0]
+        s = min(s for s in range(e) if re.fullmatch(pattern, text[s:e]))
+        want, matched = (text[:e] if not trim else text[:s]), pattern
+    m = StopStringMatcher([], regexes=_rx(pattern), no_stop_trim=not trim)
+    out, got, prev = [], None, 0
+    for cut in [*sorted(c for c in cuts if c <= len(text)), len(text)]:
+        released, got = m.push(text[prev:cut], final=cut == len(text))
+        out.append(released)
+        prev = cut
+        if got is not None:
+            break
+    assert "".join(out) == want and got == matched
+
+
 def test_invalid_bytes_are_not_held_forever(codec):
     # Lone UTF-8 lead bytes never complete; the detokenizer releases them after a bound.
     lead = [i for i in range(256, 49152) if codec.decode([i]) == REPLACEMENT_CHAR][:1]

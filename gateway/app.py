@@ -1,8 +1,9 @@
 """The aiohttp application: routes, auth, error bodies, SSE framing, request lifetimes.
 
 Routes (SGLang's and OpenAI's paths):
-    POST /v1/completions, /v1/chat/completions; GET /v1/models, /v1/models/{id};
+    POST /v1/completions; GET /v1/models, /v1/models/{id};
     POST /v1/tokenize, /v1/detokenize                                  (openai_api.py)
+    POST /v1/chat/completions                                          (chat_api.py)
     POST /generate                                                     (native_api.py)
     POST /v1/score                                                     (score_api.py)
     POST /v1/responses; GET, DELETE /v1/responses/{id}                 (responses_api.py)
@@ -189,6 +190,7 @@ async def error_middleware(request: web.Request, handler):
 def build_app(ctx: Ctx) -> web.Application:
     from shunter.gateway import (
         admin,
+        chat_api,
         native_api,
         openai_api,
         profile_api,
@@ -202,6 +204,7 @@ def build_app(ctx: Ctx) -> web.Application:
     )
     app[CTX] = ctx
     app.add_routes(openai_api.routes)
+    app.add_routes(chat_api.routes)
     app.add_routes(native_api.routes)
     app.add_routes(score_api.routes)
     app.add_routes(responses_api.routes)

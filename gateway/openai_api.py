@@ -1,5 +1,5 @@
-"""OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models,
-/v1/tokenize, /v1/detokenize.
+"""OpenAI-compatible endpoints: /v1/completions, /v1/models, /v1/tokenize,
+/v1/detokenize, and what /v1/chat/completions (chat_api.py) shares with them.
 
 `n` and prompt lists expand into one engine request per choice, with ids `<id>-<k>`
 (k = prompt_index * n + choice); choice k gets seed `seed + k` when a seed is given, a
@@ -22,13 +22,11 @@ import msgspec
 from aiohttp import web
 
 from shunter.bus.messages import (
-    ChatMessage,
     DetokenizeQuery,
     GenerateRequest,
     SamplingParams,
     TokenizeQuery,
 )
-from shunter.gateway import tool_calls
 from shunter.gateway.app import (
     Ctx,
     ctx_of,
@@ -41,41 +39,41 @@ from shunter.gateway.app import (
 )
 from shunter.gateway.engine import draw_seed, new_id
 from shunter.gateway.errors import APIError, bad_request
-from shunter.gateway.formats import Acc, chat_logprobs, completion_logprobs, usage
+from shunter.gateway.formats import Acc, completion_logprobs, usage
 from shunter.gateway.validation import (
-    ChatCompletionRequest,
     CompletionRequest,
     TokenId,
     chat_messages,
     check_max_tokens,
     check_model,
     check_n,
-    check_tools,
     completion_prompts,
     decode_body,
     generation_prompt,
     sampling_from,
-    tool_parser,
 )
 
 routes = web.RouteTableDef()
 
 
-def _seeded(sampling: SamplingParams, k: int) -> SamplingParams:
+def seeded(sampling: SamplingParams, k: int) -> SamplingParams:
+    """Choice k's sampling: seed + k when a seed was given, a fresh one otherwise."""
     seed = draw_seed() if sampling.seed is None else sampling.seed + k
     return msgspec.structs.replace(sampling, seed=seed)
 
 
-def _expand(base_id: str, num: int) -> list[str]:
+def expand_ids(base_id: str, num: int) -> list[str]:
+    """The engine request ids of `num` choices (the module docstring)."""
     return [base_id] if num == 1 else [f"{base_id}-{k}" for k in range(num)]
 
 
-async def _error_event(resp: web.StreamResponse, e: APIError) -> None:
+async def error_event(resp: web.StreamResponse, e: APIError) -> None:
+    """An error after the stream started: its body as an event, then [DONE]."""
     await sse_send(resp, e.body())
     await sse_done(resp)
 
 
-async def _end_stream(resp: web.StreamResponse, req, head: dict, accs) -> web.StreamResponse:
+async def end_stream(resp: web.StreamResponse, req, head: dict, accs) -> web.StreamResponse:
     """The usage chunk (when asked for), then [DONE]."""
     if req.stream_options and req.stream_options.include_usage:
         await sse_send(resp, {**head, "choices": [], "usage": usage(accs, req.n)})
@@ -135,13 +133,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     now_ns = time.monotonic_ns()
     gens = [
         GenerateRequest(
-            rid, _seeded(sampling, k),
+            rid, seeded(sampling, k),
             text=p if isinstance(p, str) else None,
             input_ids=p if isinstance(p, list) else None,
             stream=req.stream, priority=req.priority, arrival_ns=now_ns,
             clamp_max_new_tokens=clamp,
         )
-        for k, rid in enumerate(_expand(base_id, num))
+        for k, rid in enumerate(expand_ids(base_id, num))
         for p in [prompts[k // width]]
     ]  # fmt: skip
     head = {"id": base_id, "object": "text_completion", "created": int(time.time()),
@@ -228,146 +226,9 @@ async def _stream_completions(
                           "finish_reason": d.finish_reason, "matched_stop": d.matched_stop}  # fmt: skip
                 await sse_send(resp, {**head, "choices": [choice], "usage": None})
     except APIError as e:
-        await _error_event(resp, e)
+        await error_event(resp, e)
         return resp
-    return await _end_stream(resp, req, head, accs)
-
-
-# -- /v1/chat/completions -------------------------------------------------------------------
-
-
-@routes.post("/v1/chat/completions")
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    ctx = ctx_of(request)
-    req = decode_body(await read_body(request), ChatCompletionRequest)
-    check_model(req.model, ctx.config.served_model_name)
-    check_n(req.n, ctx.limits)
-    messages: list[ChatMessage] = chat_messages(req.messages)
-    add_gen = generation_prompt(req.add_generation_prompt, req.continue_final_message)
-    parser = tool_parser(req.tools, req.tool_choice, ctx.config.tool_call_parser)
-    tools = check_tools(req.tools or []) if parser else []
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request(
-            f"response_format {req.response_format.type!r} is not supported (only 'text')",
-            param="response_format",
-        )
-    max_tokens = (
-        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    )
-    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    check_max_tokens(max_tokens, ctx.limits, param)
-    num_top = req.top_logprobs or 0
-    if req.top_logprobs is not None:
-        if not req.logprobs:
-            raise bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
-        if not 0 <= num_top <= ctx.limits.max_top_logprobs:
-            raise bad_request(f"top_logprobs must be in [0, {ctx.limits.max_top_logprobs}]",
-                              param="top_logprobs")  # fmt: skip
-    clamp = max_tokens is None
-    sampling = sampling_from(
-        req,
-        max_new_tokens=ctx.config.max_context_len if clamp else max_tokens,
-        return_logprob=req.logprobs,
-        top_logprobs_num=num_top,
-    )
-    ctx.engine.check_available()
-    base_id = req.rid or new_id("chatcmpl-")
-    now_ns = time.monotonic_ns()
-    gens = [
-        GenerateRequest(
-            rid, _seeded(sampling, k), messages=messages, stream=req.stream,
-            priority=req.priority, arrival_ns=now_ns, clamp_max_new_tokens=clamp,
-            add_generation_prompt=add_gen, continue_final_message=req.continue_final_message,
-            chat_template_kwargs=req.chat_template_kwargs or {},
-            tools=tools,
-        )
-        for k, rid in enumerate(_expand(base_id, req.n))
-    ]  # fmt: skip
-    created = int(time.time())
-    model = ctx.config.served_model_name
-    if req.stream:
-        head = {
-            "id": base_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-        }
-        return await _stream_chat(request, ctx, req, gens, head, num_top, parser)
-    accs = [Acc() for _ in gens]
-    async with generation(ctx, gens) as group:
-        async for k, d in group:
-            accs[k].add(d)
-    choices = []
-    for k, a in enumerate(accs):
-        logprobs = None
-        if req.logprobs:
-            logprobs = chat_logprobs(a.token_texts, a.logprobs, a.top_logprobs, num_top)
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(a.text)}
-        finish = a.last.finish_reason if a.last else None
-        if parser:
-            content, calls = tool_calls.parse(parser, message["content"])
-            if calls:
-                ids = [new_id("call_") for _ in calls]
-                message = {"role": "assistant", "content": content,
-                           "tool_calls": tool_calls.openai_calls(calls, ids)}  # fmt: skip
-                finish = "tool_calls"
-        choices.append({
-            "index": k, "message": message, "logprobs": logprobs, "finish_reason": finish,
-            "matched_stop": a.last.matched_stop if a.last else None,
-        })  # fmt: skip
-    return json_response({
-        "id": base_id, "object": "chat.completion", "created": created, "model": model,
-        "choices": choices, "usage": usage(accs, req.n),
-    })  # fmt: skip
-
-
-async def _stream_chat(request, ctx: Ctx, req, gens, head, num_top,
-                       parser: str | None) -> web.StreamResponse:  # fmt: skip
-    accs = [Acc() for _ in gens]
-    splitters = [tool_calls.Splitter(parser) if parser else None for _ in gens]
-    resp = await open_sse(request)
-    try:
-        async with generation(ctx, gens) as group:
-            for k in range(len(gens)):
-                choice = {"index": k, "delta": {"role": "assistant", "content": ""},
-                          "logprobs": None, "finish_reason": None}  # fmt: skip
-                await sse_send(resp, {**head, "choices": [choice], "usage": None})
-            async for k, d in group:
-                accs[k].add(d)
-                split = splitters[k]
-                text = split.push(d.text) if split else d.text
-                if text or d.logprobs:
-                    logprobs = None
-                    if req.logprobs:
-                        logprobs = chat_logprobs(d.token_texts, d.logprobs, d.top_logprobs, num_top)
-                    choice = {"index": k, "delta": {"content": text}, "logprobs": logprobs,
-                              "finish_reason": None}  # fmt: skip
-                    await sse_send(resp, {**head, "choices": [choice], "usage": None})
-                if d.finish_reason is not None:
-                    finish = d.finish_reason
-                    if split is not None:
-                        finish = await _send_calls(resp, head, k, split) or finish
-                    choice = {"index": k, "delta": {}, "logprobs": None,
-                              "finish_reason": finish, "matched_stop": d.matched_stop}  # fmt: skip
-                    await sse_send(resp, {**head, "choices": [choice], "usage": None})
-    except APIError as e:
-        await _error_event(resp, e)
-        return resp
-    return await _end_stream(resp, req, head, accs)
-
-
-async def _send_calls(resp, head: dict, k: int, split: tool_calls.Splitter) -> str | None:
-    """A streamed choice's held text and tool calls at its end; "tool_calls" when any."""
-    rest, calls = split.finish()
-    if rest:
-        choice = {"index": k, "delta": {"content": rest}, "logprobs": None, "finish_reason": None}
-        await sse_send(resp, {**head, "choices": [choice], "usage": None})
-    ids = [new_id("call_") for _ in calls]
-    for i, call in enumerate(tool_calls.openai_calls(calls, ids)):
-        choice = {"index": k, "delta": {"tool_calls": [{"index": i, **call}]}, "logprobs": None,
-                  "finish_reason": None}  # fmt: skip
-        await sse_send(resp, {**head, "choices": [choice], "usage": None})
-    return "tool_calls" if calls else None
+    return await end_stream(resp, req, head, accs)
 
 
 # -- models, tokenize, detokenize -----------------------------------------------------------

@@ -25,7 +25,7 @@ over, as OpenAI does). An unknown id is a 404 (GET, DELETE) or a 400
 and `n` are 400s.
 
 Theory of operation: the input becomes the messages of one chat generation
-(openai_api.py's path through the chat template); the handler shapes its deltas, and
+(chat_api.py's path through the chat template); the handler shapes its deltas, and
 with tools reads calls out of them as the chat endpoint does (tool_calls.py). The
 store lives in the gateway process (not an actor core: nothing replays it), so
 responses do not survive a restart.

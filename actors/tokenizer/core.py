@@ -14,8 +14,7 @@ deltas that are due: a request's first and last delta always, the others once
 request owns an incremental detokenizer and a stop-string matcher (detok.py). When a stop
 string or a stop regex matches, the request's last delta carries finish_reason "stop"
 and the matched string (a regex's pattern), and an `AbortRequest(reason="stop_string")`
-tells the scheduler to stop it; the
-scheduler's later outputs for it are dropped. A finished request whose stop was a token
+tells the scheduler to stop it; the scheduler's later outputs for it are dropped. A finished request whose stop was a token
 id has that token's text trimmed unless `no_stop_trim`.
 
 `TokenizeQuery` / `DetokenizeQuery` from the gateway are answered directly.
@@ -42,7 +41,7 @@ from shunter.actors.tokenizer.chat import ChatTemplateError
 from shunter.actors.tokenizer.config import TokenizerConfig
 from shunter.actors.tokenizer.detok import IncrementalDetokenizer, StopStringMatcher
 from shunter.actors.tokenizer.loading import IdsCodec, TextCodec
-from shunter.actors.tokenizer.stop_regex import StopRegex, compile_stop_regex
+from shunter.actors.tokenizer.stop_regex import MAX_STATES, StopRegex, compile_stop_regex
 from shunter.bus.messages import (
     AbortRequest,
     ActorDied,
@@ -215,9 +214,13 @@ class TokenizerCore:
             raise _Invalid("invalid_request", f"{NO_TOKENIZER}: stop regexes cannot match; "
                            "use stop_token_ids")  # fmt: skip
         try:
-            return [compile_stop_regex(p) for p in patterns]
+            regexes = [compile_stop_regex(p) for p in patterns]
         except ValueError as e:
             raise _Invalid("invalid_request", str(e)) from None
+        if sum(r.num_states for r in regexes) > MAX_STATES:  # each character's work
+            raise _Invalid("invalid_request", f"the stop regexes are too large together (over "
+                           f"{MAX_STATES} states)")  # fmt: skip
+        return regexes
 
     def _tokenize_checked(self, req: GenerateRequest) -> Tokenized:
         if req.request_id in self._active:

@@ -15,7 +15,7 @@ each chunk the pending text is searched for every stop string (earliest match wi
 without a match, the longest suffix of the pending text that could still begin a stop
 string is held back and the rest is released. Stop regexes (stop_regex.py) read each
 chunk once, as it comes; the first match to complete stops the request, and text from
-the earliest start a match may still have on is held back as well. Where a stop string
+the earliest position where a match may still start is held back as well. Where a stop string
 and a regex both match in one chunk, the match starting first wins.
 
 Invariants

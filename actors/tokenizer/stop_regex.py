@@ -24,7 +24,9 @@ with a `ValueError` that names it: `$`, `\\b`, backreferences, lookarounds, inli
 flags, and patterns that match the empty string (they would stop at once).
 
 Invariants: scanning is a pure function of the text fed so far (no clock, no state
-outside the scanner); the compiled NFA has at most MAX_STATES states.
+outside the scanner); a character reaches each NFA state at most once, so it costs at
+most the NFA's size, and a request's patterns have at most MAX_STATES states together
+(the tokenizer checks the sum).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import functools
 from collections.abc import Callable
 
 MAX_PATTERN_CHARS = 1000
-MAX_STATES = 5000
+MAX_STATES = 500  # a request's patterns together: each character costs up to this many steps
 MAX_REPEAT = 1000
 
 Pred = Callable[[str], bool]
@@ -313,8 +315,9 @@ class StopRegex:
         self.accept = nfa.new()
         self.start = nfa.build(tree, self.accept)
         self._step = nfa.step
-        self._closure = [self._close(nfa, s) for s in range(len(nfa.step))]
-        if self.accept in self._closure[self.start]:
+        self._split = nfa.split
+        self._start_closure = self._close(nfa, self.start)
+        if self.accept in self._start_closure:
             raise ValueError(f"stop_regex {pattern!r} matches the empty string")
 
     @staticmethod
@@ -358,20 +361,29 @@ class RegexScanner:
         """Read text; (start, end) of the first match to complete, or None. After a
         match the scanner is done with; feed no more."""
         rx = self.regex
-        step, closure, accept = rx._step, rx._closure, rx.accept
+        step, split, accept = rx._step, rx._split, rx.accept
         live = self._live
         for ch in text:
-            if not rx.anchored or self.offset == 0:  # a thread may start here
-                for s in closure[rx.start]:
-                    if live.get(s, self.offset + 1) > self.offset:
-                        live[s] = self.offset
+            if not rx.anchored or self.offset == 0:  # a thread may start here (the latest)
+                for s in rx._start_closure:
+                    live.setdefault(s, self.offset)
+            moved = sorted((begin, st[1]) for s, begin in live.items()
+                           if (st := step[s]) is not None and st[0](ch))  # fmt: skip
+            # Each state is reached once per character, first from the earliest start
+            # (Thompson's construction: the work is bounded by the NFA's size).
             nxt: dict[int, int] = {}
-            for s, begin in live.items():
-                pred_next = step[s]
-                if pred_next is not None and pred_next[0](ch):
-                    for t in closure[pred_next[1]]:
-                        if nxt.get(t, begin + 1) > begin:
-                            nxt[t] = begin
+            seen: set[int] = set()
+            for begin, t in moved:
+                stack = [t]
+                while stack:
+                    u = stack.pop()
+                    if u in seen:
+                        continue
+                    seen.add(u)
+                    if split[u]:
+                        stack.extend(split[u])
+                    else:
+                        nxt[u] = begin
             self.offset += 1
             if accept in nxt:
                 self._live = {}

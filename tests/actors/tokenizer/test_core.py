@@ -106,6 +106,7 @@ def test_eos_joins_stop_token_ids_unless_ignore_eos(core):
         (_gen(text="x", sampling={"stop_regex": ["(a)\\1"]}), "invalid_request", "backreferences"),
         (_gen(text="x", sampling={"stop_regex": ["x*"]}), "invalid_request", "empty string"),
         (_gen(text="x", sampling={"stop_regex": ["x"] * 33}), "invalid_request", "33 stop regexes"),
+        (_gen(text="x", sampling={"stop_regex": ["a{200}"] * 3}), "invalid_request", "together"),
         (_gen(messages=[]), "invalid_request", "messages"),
         (_gen(text="x", sampling={"stop_token_ids": [49152]}), "invalid_request", "49152"),
         (_gen(text="x", sampling={"logit_bias": {-3: 1.0}}), "invalid_request", "logit_bias"),

@@ -141,3 +141,7 @@ def test_a_pattern_that_would_backtrack_exponentially_in_re_scans_in_linear_time
     assert scanner.feed("b") == (0, 20001)
     rx = StopRegex("(x|x)*y|(x+x+)+z")
     assert rx.num_states < 30  # linear in the pattern, not in anything it reads
+    # optional copies whose closures overlap (each reaches the rest): still one visit
+    # per state and character
+    scanner = RegexScanner(StopRegex("a{0,200}b"))
+    assert scanner.feed("a" * 5000) is None and scanner.feed("b") == (4800, 5001)

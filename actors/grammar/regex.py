@@ -1,0 +1,340 @@
+"""Regular expressions as Thompson NFAs: the parser and compiler behind stop regexes
+(actors/tokenizer/stop_regex.py) and constrained decoding (token_fsm.py).
+
+Theory of operation: a pattern is parsed into a small syntax tree and compiled into a
+Thompson NFA of character steps and epsilon splits; counted repeats are unrolled, so
+the NFA's size is bounded by the caller's `max_states`. Simulating every state at once
+costs at most the NFA's size per character, whatever the text: no input can make it
+backtrack, as Python's `re` can.
+
+Syntax: Python's `re` without what needs backtracking or a look beyond the current
+character: literals and escapes (\\n \\t \\xhh \\uhhhh, escaped punctuation), `.` (any
+character but a newline), classes `[...]` / `[^...]` with ranges, \\d \\w \\s and their
+negations, groups `(...)`, `(?:...)`, `(?P<name>...)`, alternation `|`, the quantifiers
+`* + ? {n} {n,} {n,m}` and their lazy forms (which match the same), `^` at the start
+of the pattern and, where the caller allows it, `$` at its end. Refused with a
+`ValueError` that names the parameter and the reason: `\\b`, backreferences,
+lookarounds, inline flags.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+MAX_PATTERN_CHARS = 1000
+MAX_REPEAT = 1000
+
+Pred = Callable[[str], bool]
+
+_CLASS_ESCAPES: dict[str, Pred] = {
+    "d": str.isdecimal,
+    "D": lambda c: not c.isdecimal(),
+    "w": lambda c: c.isalnum() or c == "_",
+    "W": lambda c: not (c.isalnum() or c == "_"),
+    "s": str.isspace,
+    "S": lambda c: not c.isspace(),
+}
+_CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a", "0": "\0"}
+_REFUSED_ESCAPES = {
+    "b": "\\b (a word boundary)",
+    "B": "\\B (a word boundary)",
+    "A": "\\A",
+    "Z": "\\Z",
+    "z": "\\z",
+    "G": "\\G",
+}
+
+
+# ---- syntax tree -------------------------------------------------------------------
+# ("char", pred) | ("cat", [nodes]) | ("alt", [nodes]) | ("rep", node, min, max or None)
+# | ("empty",)
+
+
+class _Parser:
+    def __init__(self, pattern: str, param: str, end_anchor: bool) -> None:
+        self.p = pattern
+        self.i = 0
+        self.param = param
+        self.end_anchor = end_anchor  # a final "$" is allowed (a whole-text match)
+
+    def fail(self, why: str) -> ValueError:
+        return ValueError(f"{self.param} {self.p!r}: {why} (at offset {self.i})")
+
+    def peek(self) -> str | None:
+        return self.p[self.i] if self.i < len(self.p) else None
+
+    def take(self) -> str:
+        c = self.p[self.i]
+        self.i += 1
+        return c
+
+    def parse(self) -> tuple[bool, tuple]:
+        anchored = self.peek() == "^"
+        if anchored:
+            self.i += 1
+        node = self.alt()
+        if self.i < len(self.p):
+            raise self.fail("unbalanced ')'")
+        return anchored, node
+
+    def alt(self) -> tuple:
+        branches = [self.cat()]
+        while self.peek() == "|":
+            self.i += 1
+            branches.append(self.cat())
+        return branches[0] if len(branches) == 1 else ("alt", branches)
+
+    def cat(self) -> tuple:
+        items = []
+        while (c := self.peek()) is not None and c not in "|)":
+            items.append(self.repeat())
+        if not items:
+            return ("empty",)
+        return items[0] if len(items) == 1 else ("cat", items)
+
+    def repeat(self) -> tuple:
+        node, quantified = self.atom(), False
+        while (c := self.peek()) is not None and c in "*+?{":
+            if c == "{":
+                bounds = self.bounds()
+                if bounds is None:  # a literal "{", as Python reads one that is no count
+                    break
+                lo, hi = bounds
+            else:
+                self.i += 1
+                lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
+            if self.peek() == "?":  # lazy: the same set of matches
+                self.i += 1
+            elif self.peek() == "+":
+                raise self.fail("possessive quantifiers are not supported")
+            if quantified:
+                raise self.fail("a quantifier cannot follow another")
+            node, quantified = ("rep", node, lo, hi), True
+        return node
+
+    def bounds(self) -> tuple[int, int | None] | None:
+        end = self.p.find("}", self.i)
+        body = self.p[self.i + 1 : end] if end > 0 else ""
+        lo_s, sep, hi_s = body.partition(",")
+        if end < 0 or not lo_s.isdigit() or (hi_s and not hi_s.isdigit()):
+            return None
+        lo = int(lo_s)
+        hi = lo if not sep else (int(hi_s) if hi_s else None)
+        if hi is not None and hi < lo:
+            raise self.fail(f"{{{body}}}: the maximum is below the minimum")
+        if max(lo, hi or 0) > MAX_REPEAT:
+            raise self.fail(f"repeat counts are limited to {MAX_REPEAT}")
+        self.i = end + 1
+        return lo, hi
+
+    def atom(self) -> tuple:
+        c = self.take()
+        if c == "(":
+            if self.peek() == "?":
+                self.i += 1
+                kind = self.peek()
+                if kind == ":":
+                    self.i += 1
+                elif kind == "P" and self.p.startswith("P<", self.i):
+                    close = self.p.find(">", self.i)
+                    if close < 0:
+                        raise self.fail("unterminated group name")
+                    self.i = close + 1
+                elif kind in ("=", "!", "<"):
+                    raise self.fail("lookaround assertions are not supported")
+                else:
+                    raise self.fail("inline flags and other (?...) groups are not supported")
+            node = self.alt()
+            if self.peek() != ")":
+                raise self.fail("missing ')'")
+            self.i += 1
+            return node
+        if c == "[":
+            return ("char", self.char_class())
+        if c == ".":
+            return ("char", lambda ch: ch != "\n")
+        if c == "\\":
+            e = self.escape(in_class=False)
+            return ("char", _literal(e) if isinstance(e, str) else e)
+        if c == "$":
+            if self.end_anchor and self.i == len(self.p):
+                return ("empty",)
+            raise self.fail("'$' is not supported (streamed text has no end to anchor to)")
+        if c == "^":
+            raise self.fail("'^' is only supported at the start of the pattern")
+        if c in "*+?":
+            raise self.fail(f"nothing to repeat before {c!r}")
+        if c == ")":
+            raise self.fail("unbalanced ')'")
+        return ("char", _literal(c))
+
+    def escape(self, *, in_class: bool) -> str | Pred:
+        """What follows a backslash: the character it stands for, or a class escape's
+        predicate."""
+        if self.peek() is None:
+            raise self.fail("a pattern cannot end with a backslash")
+        c = self.take()
+        if c in _CLASS_ESCAPES:
+            return _CLASS_ESCAPES[c]
+        if c in _CHAR_ESCAPES:
+            return _CHAR_ESCAPES[c]
+        if c == "b" and in_class:  # a backspace inside a class, as in Python
+            return "\b"
+        if c in "xu":
+            width = 2 if c == "x" else 4
+            digits = self.p[self.i : self.i + width]
+            if len(digits) != width or any(d not in "0123456789abcdefABCDEF" for d in digits):
+                raise self.fail(f"\\{c} needs {width} hex digits")
+            self.i += width
+            return chr(int(digits, 16))
+        if c.isdigit():
+            raise self.fail("backreferences are not supported")
+        if c in _REFUSED_ESCAPES:
+            raise self.fail(f"{_REFUSED_ESCAPES[c]} is not supported")
+        if c.isalnum():
+            raise self.fail(f"unknown escape \\{c}")
+        return c
+
+    def char_class(self) -> Pred:
+        negate = self.peek() == "^"
+        if negate:
+            self.i += 1
+        preds: list[Pred] = []
+        chars: set[str] = set()
+        ranges: list[tuple[str, str]] = []
+        first = True
+        while True:
+            c = self.peek()
+            if c is None:
+                raise self.fail("unterminated character class")
+            if c == "]" and not first:
+                self.i += 1
+                break
+            first = False
+            lo = self.class_item()
+            dash = self.peek() == "-" and self.p[self.i + 1 : self.i + 2] not in ("]", "")
+            if isinstance(lo, str) and dash:
+                self.i += 1
+                hi = self.class_item()
+                if not isinstance(hi, str) or hi < lo:
+                    raise self.fail("bad character range")
+                ranges.append((lo, hi))
+            elif isinstance(lo, str):
+                chars.add(lo)
+            else:
+                preds.append(lo)
+
+        def member(ch: str) -> bool:
+            hit = ch in chars or any(a <= ch <= b for a, b in ranges) or any(p(ch) for p in preds)
+            return hit != negate
+
+        return member
+
+    def class_item(self) -> str | Pred:
+        """One member: a character, or a class escape's predicate."""
+        c = self.take()
+        return self.escape(in_class=True) if c == "\\" else c
+
+
+def _literal(c: str) -> Pred:
+    return c.__eq__
+
+
+# ---- NFA ---------------------------------------------------------------------------
+
+
+class _Builder:
+    """States: `step[s]` = (pred, next) for a character step, `split[s]` = targets for
+    an epsilon state."""
+
+    def __init__(self, param: str, max_states: int) -> None:
+        self.step: list[tuple[Pred, int] | None] = []
+        self.split: list[list[int]] = []
+        self.param = param
+        self.max_states = max_states
+
+    def new(self) -> int:
+        if len(self.step) >= self.max_states:
+            raise ValueError(f"{self.param}: the pattern is too large (over {self.max_states} "
+                             "states)")  # fmt: skip
+        self.step.append(None)
+        self.split.append([])
+        return len(self.step) - 1
+
+    def build(self, node: tuple, out: int) -> int:
+        """States for `node` that continue to `out`; returns its entry state."""
+        kind = node[0]
+        if kind == "empty":
+            return out
+        if kind == "char":
+            s = self.new()
+            self.step[s] = (node[1], out)
+            return s
+        if kind == "cat":
+            for child in reversed(node[1]):
+                out = self.build(child, out)
+            return out
+        if kind == "alt":
+            s = self.new()
+            self.split[s] = [self.build(child, out) for child in node[1]]
+            return s
+        _, child, lo, hi = node
+        if hi is None:  # child{lo,}: lo copies, then a loop
+            loop = self.new()
+            self.split[loop] = [self.build(child, loop), out]
+            entry = loop
+        else:  # child{lo,hi}: lo copies, then hi - lo optional ones
+            entry = out
+            for _ in range(hi - lo):
+                s = self.new()
+                self.split[s] = [self.build(child, entry), out]
+                entry = s
+        for _ in range(lo):
+            entry = self.build(child, entry)
+        return entry
+
+
+class Nfa:
+    """A pattern compiled (see the module docstring); `ValueError` if refused.
+
+    `step[s]` is (predicate, next state) for a state that reads a character, None for
+    the others; `split[s]` the epsilon targets of a state that reads none; `accept`
+    the accepting state; `start_closure` the reading states (and perhaps `accept`)
+    that the start reaches without reading; `anchored`: the pattern began with ^."""
+
+    def __init__(self, pattern: str, *, param: str, max_states: int, end_anchor: bool = False,
+                 max_chars: int = MAX_PATTERN_CHARS) -> None:  # fmt: skip
+        if not pattern:
+            raise ValueError(f"{param} must not be empty")
+        if len(pattern) > max_chars:
+            raise ValueError(f"{param} is limited to {max_chars} characters")
+        self.pattern = pattern
+        self.anchored, tree = _Parser(pattern, param, end_anchor).parse()
+        b = _Builder(param, max_states)
+        self.accept = b.new()
+        self.start = b.build(tree, self.accept)
+        self.step, self.split = b.step, b.split
+        self.start_closure = self.close([self.start])
+
+    def close(self, states) -> tuple[int, ...]:
+        """The reading states (and the accepting one) reachable from `states` without
+        reading a character, sorted."""
+        seen, stack, out = set(states), list(states), []
+        while stack:
+            t = stack.pop()
+            if self.split[t]:
+                for u in self.split[t]:
+                    if u not in seen:
+                        seen.add(u)
+                        stack.append(u)
+            else:
+                out.append(t)
+        return tuple(sorted(out))
+
+    @property
+    def num_states(self) -> int:
+        return len(self.step)
+
+    @property
+    def matches_empty(self) -> bool:
+        return self.accept in self.start_closure

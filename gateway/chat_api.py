@@ -52,11 +52,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     add_gen = generation_prompt(req.add_generation_prompt, req.continue_final_message)
     parser = tool_parser(req.tools, req.tool_choice, ctx.config.tool_call_parser)
     tools = check_tools(req.tools or []) if parser else []
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request(
-            f"response_format {req.response_format.type!r} is not supported (only 'text')",
-            param="response_format",
-        )
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )

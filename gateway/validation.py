@@ -118,8 +118,17 @@ class ChatMessageIn(msgspec.Struct):
     tool_call_id: str | None = None
 
 
+class JsonSchemaFormat(msgspec.Struct):
+    schema: dict[str, Any] | None = None
+    name: str | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
 class ResponseFormat(msgspec.Struct):
     type: str
+    json_schema: JsonSchemaFormat | None = None
+    schema: dict[str, Any] | None = None  # vLLM/SGLang also take it here
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -177,6 +186,43 @@ def check_model(requested: str | None, served: str) -> None:
         )
 
 
+def constraint_regex(req: Any) -> str:
+    """The regular expression a request's output must match whole: its `regex`, its
+    `json_schema` (SGLang's names), or its `response_format` (json_schema or
+    json_object); "" when none. At most one may be given."""
+    from shunter.actors.grammar.json_schema import json_object, schema_regex
+
+    fmt = getattr(req, "response_format", None)
+    given = [n for n in ("regex", "json_schema") if getattr(req, n, None) is not None]
+    if fmt is not None and fmt.type != "text":
+        given.append("response_format")
+    _check(len(given) <= 1, f"give at most one of regex, json_schema, response_format; "
+                            f"got {', '.join(given)}", given[-1] if given else None)  # fmt: skip
+    if not given:
+        if fmt is not None and fmt.type != "text":
+            raise bad_request(f"response_format type {fmt.type!r} is not supported",
+                              param="response_format")  # fmt: skip
+        return ""
+    try:
+        if given[0] == "regex":
+            _check(isinstance(req.regex, str) and req.regex != "", "regex must be a non-empty "
+                   "string", "regex")  # fmt: skip
+            return req.regex
+        if given[0] == "json_schema":
+            return schema_regex(req.json_schema)
+        if fmt.type == "json_object":
+            return json_object()
+        if fmt.type != "json_schema":
+            raise bad_request(f"response_format type {fmt.type!r} is not supported (text, "
+                              "json_object or json_schema)", param="response_format")  # fmt: skip
+        schema = fmt.json_schema.schema if fmt.json_schema is not None else fmt.schema
+        _check(schema is not None, "response_format json_schema needs a schema",
+               "response_format")  # fmt: skip
+        return schema_regex(schema)
+    except ValueError as e:
+        raise bad_request(str(e), param=given[0]) from None
+
+
 def stop_list(stop: str | list[str] | None, param: str = "stop") -> list[str]:
     """`stop` or `stop_regex` as a list (the tokenizer compiles the regexes: a pattern
     it refuses is a 400 from there)."""
@@ -221,11 +267,10 @@ def sampling_from(
     req: SamplingFields, *, max_new_tokens: int, return_logprob: bool, top_logprobs_num: int
 ) -> SamplingParams:
     """OpenAI request -> SamplingParams, checking every range (seed is set per choice)."""
-    for name in ("regex", "ebnf", "json_schema", "structural_tag"):
+    for name in ("ebnf", "structural_tag"):
         if getattr(req, name, None) is not None:
-            raise bad_request(
-                f"{name}: constrained decoding is not supported by this server", param=name
-            )
+            raise bad_request(f"{name}: this grammar form is not supported (use regex or "
+                              "json_schema)", param=name)  # fmt: skip
     t = 1.0 if req.temperature is None else req.temperature
     _check(0.0 <= t <= 100.0, f"temperature must be between 0 and 100, got {t}", "temperature")
     top_p = 1.0 if req.top_p is None else req.top_p
@@ -283,6 +328,7 @@ def sampling_from(
         min_new_tokens=req.min_tokens,
         stop=stop_list(req.stop),
         stop_regex=stop_list(req.stop_regex, "stop_regex"),
+        regex=constraint_regex(req),
         stop_token_ids=stop_ids,
         ignore_eos=req.ignore_eos,
         skip_special_tokens=req.skip_special_tokens,

@@ -167,6 +167,7 @@ def build_config(spec: ActorSpec, a: ServerArgs, ready: Mapping[str, Ready], see
 
             return ExecutorConfig(
                 actor_id=spec.actor_id, model_path=a.model_path, dtype=a.dtype, device=a.device,
+                tokenizer_path=a.tokenizer_path,
                 load_format=a.load_format, weight_format=a.weight_format, page_size=a.page_size,
                 max_total_tokens=a.max_total_tokens, mem_fraction_static=a.mem_fraction_static,
                 context_length=a.context_length, seed=seed % 2**32,

@@ -18,6 +18,7 @@ from KVPool.from_budget says by how much the budget fell short).
 
 from __future__ import annotations
 
+import functools
 import time
 
 import structlog
@@ -31,6 +32,7 @@ from shunter.actors.executor.loader import load_model
 from shunter.actors.executor.models.config import ModelConfig
 from shunter.actors.executor.runner import ModelRunner
 from shunter.actors.executor.warmup import warm_up
+from shunter.actors.grammar.token_fsm import GrammarCache, load_token_vocab
 
 log = structlog.get_logger(actor="executor")
 
@@ -144,6 +146,9 @@ def build_core(config: ExecutorConfig) -> ExecutorCore:
         eos_token_ids=mcfg.eos_token_ids,
         max_context_len=max_context_len,
         max_num_rows=config.max_num_rows,
+        grammars=GrammarCache(
+            functools.partial(load_token_vocab, config.model_path, config.tokenizer_path)
+        ),
     )
     t2 = time.perf_counter()
     if on_cuda and not config.skip_server_warmup:  # first-use builds now, not in a request

@@ -21,6 +21,8 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Bus publisher id and Ready.actor_id."""
     model_path: str | None = None
     """HF directory, .gguf file, or None / "smollm2" for the default model."""
+    tokenizer_path: str | None = None
+    """--tokenizer-path: read for the token texts of constrained decoding (regex)."""
     dtype: str = "auto"
     """Weights and KV dtype; "auto" is float32 on a CPU and bfloat16 on CUDA."""
     device: str = "auto"

@@ -56,7 +56,9 @@ Invariants
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -85,6 +87,9 @@ from shunter.actors.executor.sampling import (
 from shunter.actors.executor.slot_table import device_tensor, long_tensor
 from shunter.bus.messages import ForwardBatch, Msg, StepResult, TopLogprob
 from shunter.kernels.page_layout import to_device
+
+if TYPE_CHECKING:
+    from shunter.actors.grammar.token_fsm import TokenFsm
 
 Inbox = ForwardBatch
 
@@ -123,8 +128,11 @@ class ExecutorCore:
         eos_token_ids: tuple[int, ...] | list[int] = (),
         max_context_len: int | None = None,
         max_num_rows: int = 4096,
+        grammars: Callable[[str], TokenFsm] | None = None,
     ) -> None:
         self.runner = runner
+        # pattern -> its token automaton (constrained decoding); None: regex refused
+        self.grammars = grammars
         self.page_size: int = runner.kv_pool.page_size
         self.num_pages: int = runner.kv_pool.num_pages
         self.vocab_size: int = runner.config.vocab_size
@@ -223,7 +231,7 @@ class ExecutorCore:
     ) -> StepResult | tuple[list[Entry], LogitsLayout, torch.Tensor]:
         """Steps 1-4: (entries, logits being computed), or the step's final result."""
         try:
-            plan = plan_batch(batch, self._rows, self.geometry)
+            plan = plan_batch(batch, self._rows, self.geometry, self.grammars)
             entries, opened = plan.entries, plan.opened
             if not entries:  # only row diffs (e.g. closes while nothing runs): no forward
                 self._commit(batch, entries, opened)

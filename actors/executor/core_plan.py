@@ -23,7 +23,8 @@ An entry's ids hold LAST_SAMPLED only as ids[0], and only when it is `from_devic
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 import torch
@@ -32,6 +33,9 @@ from shunter.actors.executor.sampling import RowSampling, validate_params, with_
 from shunter.actors.executor.slot_table import long_tensor
 from shunter.bus.messages import LAST_SAMPLED, ForwardBatch, TopLogprob
 from shunter.kernels.page_layout import to_device
+
+if TYPE_CHECKING:
+    from shunter.actors.grammar.token_fsm import TokenFsm
 
 
 class Geometry(msgspec.Struct, frozen=True):
@@ -113,7 +117,8 @@ class StepFailed(ValueError):
     """A ForwardBatch that cannot run; the message says why."""
 
 
-def plan_batch(b: ForwardBatch, rows: dict[int, Row], g: Geometry) -> Plan:
+def plan_batch(b: ForwardBatch, rows: dict[int, Row], g: Geometry,
+               grammars: Callable[[str], TokenFsm] | None = None) -> Plan:  # fmt: skip
     """The batch's Plan, or StepFailed; see the module docstring."""
     n = len(b.rows)
     for name in ("num_new_tokens", "start_pos", "num_new_pages", "sample"):
@@ -151,7 +156,16 @@ def plan_batch(b: ForwardBatch, rows: dict[int, Row], g: Geometry) -> Plan:
             raise StepFailed(f"row {o.row_idx}: more prefix token ids than prefix tokens")
         if (why := validate_params(o.sampling, g.vocab_size)) is not None:
             raise StepFailed(f"row {o.row_idx} ({o.request_id}): {why}")
-        sampling = RowSampling(o.sampling, o.seed, g.eos_token_ids)
+        grammar = None
+        if o.sampling.regex:
+            if grammars is None:
+                raise StepFailed(f"row {o.row_idx} ({o.request_id}): no token texts here for "
+                                 "a regex constraint")  # fmt: skip
+            try:
+                grammar = grammars(o.sampling.regex)
+            except ValueError as e:
+                raise StepFailed(f"row {o.row_idx} ({o.request_id}): {e}") from None
+        sampling = RowSampling(o.sampling, o.seed, g.eos_token_ids, grammar)
         opened[o.row_idx] = Row(o.num_prefix_tokens, len(o.prefix_pages), sampling)
 
     input_ids = long_tensor(b.input_ids)

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -66,6 +66,9 @@ from shunter.actors.executor.penalties import apply_penalties, needs_processing
 from shunter.actors.executor.slot_table import device_tensor
 from shunter.bus.messages.request import SamplingParams
 from shunter.kernels.argmax import argmax
+
+if TYPE_CHECKING:
+    from shunter.actors.grammar.token_fsm import TokenFsm
 from shunter.kernels.page_layout import to_device
 
 # Temperatures at or below this are greedy (a division by ~0 would overflow anyway).
@@ -116,6 +119,8 @@ class RowSampling:
 
     __slots__ = (
         "generator",
+        "grammar",
+        "grammar_state",
         "greedy",
         "masked_ids",
         "num_output_tokens",
@@ -125,8 +130,12 @@ class RowSampling:
         "wants_logprobs",
     )
 
-    def __init__(self, params: SamplingParams, seed: int, eos_token_ids: Sequence[int] = ()):
+    def __init__(self, params: SamplingParams, seed: int, eos_token_ids: Sequence[int] = (),
+                 grammar: TokenFsm | None = None):  # fmt: skip
         self.params = params
+        # constrained decoding: the pattern's token automaton and where the output is in it
+        self.grammar = grammar
+        self.grammar_state = grammar.initial if grammar is not None else 0
         self.greedy = params.temperature <= GREEDY_TEMPERATURE
         self.generator: torch.Generator | None = None
         if not self.greedy:
@@ -146,6 +155,8 @@ class RowSampling:
 
     def observe_output(self, token_id: int) -> None:
         self.num_output_tokens += 1
+        if self.grammar is not None:
+            self.grammar_state = self.grammar.advance(self.grammar_state, token_id)
         if self.params.repetition_penalty != 1.0:
             self.seen.add(token_id)
         if self.params.frequency_penalty != 0.0 or self.params.presence_penalty != 0.0:

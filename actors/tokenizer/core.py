@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import msgspec
 
+from shunter.actors.grammar.token_fsm import constraint_nfa
 from shunter.actors.tokenizer.chat import ChatTemplateError
 from shunter.actors.tokenizer.config import TokenizerConfig
 from shunter.actors.tokenizer.detok import IncrementalDetokenizer, StopStringMatcher
@@ -242,6 +243,14 @@ class TokenizerCore:
                 f"stop strings are limited to {self.config.max_stop_len_chars} characters",
             )
         regexes = self._stop_regexes(sp.stop_regex)
+        if sp.regex:
+            if not self.codec.has_text:
+                raise _Invalid("invalid_request", f"{NO_TOKENIZER}: constrained decoding needs "
+                               "the tokenizer's texts")  # fmt: skip
+            try:
+                constraint_nfa(sp.regex)
+            except ValueError as e:
+                raise _Invalid("invalid_request", str(e)) from None
         vocab = self.codec.vocab_size
         named = (*sp.stop_token_ids, *sp.logit_bias, *sp.token_ids_logprob)
         bad_ids = [i for i in named if not 0 <= i < vocab]

@@ -41,6 +41,9 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # stop regexes, matched by the tokenizer on detokenized text as the stop strings are
     # (actors/tokenizer/stop_regex.py: linear-time, the syntax Python's re shares with it)
     stop_regex: list[str] = []
+    # constrained decoding: the whole output must match this regular expression
+    # (actors/grammar: the gateway turns json_schema and response_format into one)
+    regex: str = ""
 
 
 class ChatMessage(msgspec.Struct, frozen=True, array_like=True, gc=False):

@@ -1,0 +1,110 @@
+"""Constrained decoding end to end on the real server and model: `regex` and
+`json_schema` (SGLang's /generate), `response_format` json_schema and json_object
+through the `openai` client; the output matches whole or parses, streamed or not; the
+forms that are not supported are 400s that name their parameter."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import openai
+import pytest
+
+from tests.e2e.conftest import call_json as post
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", timeout=300,
+                         max_retries=0)  # fmt: skip
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer"},
+        "likes": {"type": "array", "items": {"enum": ["tea", "coffee", "cake"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "likes"],
+}
+
+
+def test_generate_with_a_regex_ends_on_a_whole_match(server):
+    status, out = post(server, "/generate", {
+        "text": "Is the sky blue? Answer yes or no.\nAnswer:",
+        "sampling_params": {"temperature": 0, "max_new_tokens": 16, "regex": " ?(yes|no)"},
+    })  # fmt: skip
+    assert status == 200, out
+    assert re.fullmatch(" ?(yes|no)", out["text"]), out["text"]
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_chat_json_schema_output_parses_and_has_the_schema_shape(client, model, temperature):
+    r = client.chat.completions.create(
+        model=model, temperature=temperature, seed=3, max_tokens=96,
+        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+    )  # fmt: skip
+    data = json.loads(r.choices[0].message.content)
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(data["name"], str) and len(data["name"]) <= 24
+    assert isinstance(data["age"], int)
+    assert set(data["likes"]) <= {"tea", "coffee", "cake"} and len(data["likes"]) <= 3
+
+
+def test_streamed_json_object_parses_or_is_a_json_prefix_cut_by_the_length(client, model):
+    """Strings have no bound in json_object, so max_tokens may end the output inside
+    one (finish_reason "length", as OpenAI's API warns); what came is still a prefix of
+    a JSON object."""
+    import regex
+
+    from shunter.actors.grammar.json_schema import json_object
+
+    chunks = list(client.chat.completions.create(
+        model=model, temperature=0, max_tokens=200, stream=True,
+        messages=[{"role": "user", "content": "Give me a small JSON object about Paris."}],
+        response_format={"type": "json_object"},
+    ))  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    if finish == "stop":
+        assert isinstance(json.loads(text), dict), text
+    else:
+        assert finish == "length" and regex.fullmatch(json_object(), text, partial=True), text
+
+
+def test_generate_json_schema_as_sglang_takes_it(server):
+    status, out = post(server, "/generate", {
+        "text": "A person in JSON:", "sampling_params": {
+            "temperature": 0, "max_new_tokens": 96, "json_schema": json.dumps(PERSON)},
+    })  # fmt: skip
+    assert status == 200, out
+    assert set(json.loads(out["text"])) == {"name", "age", "likes"}
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"regex": "a(?=b)"}, None, "lookaround"),
+        ({"json_schema": {"type": "string", "pattern": "a+"}}, "json_schema", "pattern"),
+        ({"ebnf": "root ::= 'a'"}, "ebnf", "not supported"),
+        ({"regex": "a", "json_schema": {"type": "integer"}}, "json_schema", "at most one"),
+        ({"response_format": {"type": "xml"}}, "response_format", "xml"),
+    ],
+)
+def test_unsupported_constraints_are_400s_that_say_why(server, body, param, words):
+    status, err = post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body})  # fmt: skip
+    assert status == 400, err
+    assert words in err["error"]["message"]
+    if param:
+        assert err["error"]["param"] == param

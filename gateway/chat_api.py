@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from shunter.bus.messages import ChatMessage, GenerateRequest
@@ -34,6 +35,7 @@ from shunter.gateway.validation import (
     check_n,
     check_tools,
     decode_body,
+    forced_call,
     generation_prompt,
     sampling_from,
     tool_parser,
@@ -50,7 +52,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_n(req.n, ctx.limits)
     messages: list[ChatMessage] = chat_messages(req.messages)
     add_gen = generation_prompt(req.add_generation_prompt, req.continue_final_message)
-    parser = tool_parser(req.tools, req.tool_choice, ctx.config.tool_call_parser)
+    parser = tool_parser(req.tools, req.tool_choice, ctx.config.tool_call_parser, forced_ok=True)
     tools = check_tools(req.tools or []) if parser else []
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -71,6 +73,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return_logprob=req.logprobs,
         top_logprobs_num=num_top,
     )
+    forced = forced_call(req.tool_choice)
+    if forced is not None and parser is not None:  # the answer must be the call(s)
+        if sampling.regex:
+            raise bad_request("a required or named tool call cannot be combined with regex, "
+                              "json_schema or response_format", param="tool_choice")  # fmt: skip
+        try:
+            call_regex = tool_calls.forced_regex(parser, tools, forced or None,
+                                                 many=req.parallel_tool_calls is not False)  # fmt: skip
+        except ValueError as e:
+            raise bad_request(str(e), param="tool_choice") from None
+        sampling = msgspec.structs.replace(sampling, regex=call_regex)
     ctx.engine.check_available()
     base_id = req.rid or new_id("chatcmpl-")
     now_ns = time.monotonic_ns()

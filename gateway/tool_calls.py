@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from typing import Any
 
 PARSERS = ("qwen25", "hermes", "llama3", "mistral", "pythonic")
@@ -209,3 +210,38 @@ def openai_calls(calls: list[Call], ids: list[str]) -> list[dict]:
     """OpenAI's message.tool_calls for `calls`, named by `ids`."""
     return [{"id": i, "type": "function", "function": {"name": name, "arguments": args}}
             for (name, args), i in zip(calls, ids, strict=True)]  # fmt: skip
+
+
+def forced_regex(parser: str, tools: list[dict[str, Any]], name: str | None, *,
+                 many: bool = True) -> str:  # fmt: skip
+    """A regex of the answers that are calls in `parser`'s format, each call's arguments
+    shaped by its function's `parameters` (actors/grammar/json_schema.py): one or more
+    calls of any of the tools (tool_choice "required", name None; exactly one unless
+    `many`) or one call of the function `name`. ValueError for what cannot be written
+    so."""
+    from shunter.actors.grammar.json_schema import schema_regex
+
+    fns = [t["function"] for t in tools]
+    if name is not None:
+        fns = [f for f in fns if f["name"] == name]
+        if not fns:
+            raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+    if parser == "pythonic":
+        raise ValueError("a required or named call is not supported with the pythonic parser")
+    key = "parameters" if parser == "llama3" else "arguments"
+    calls = []
+    for f in fns:
+        try:
+            args = schema_regex(f.get("parameters") or {"type": "object", "properties": {}})
+        except ValueError as e:
+            raise ValueError(f"function {f['name']!r}: {e}") from None
+        calls.append(r'\{"name":[ ]?' + re.escape(json.dumps(f["name"])) + r',[ ]?"' + key
+                     + r'":[ ]?' + args + r"\}")  # fmt: skip
+    call = calls[0] if len(calls) == 1 else "(?:" + "|".join(calls) + ")"
+    many = many and name is None
+    if parser in ("qwen25", "hermes"):
+        one = re.escape(_OPEN) + r"\n" + call + r"\n" + re.escape(_CLOSE)
+        return one + r"(?:\n" + one + ")*" if many else one
+    if parser == "llama3":
+        return call + r"(?:;[ ]?" + call + ")*" if many else call
+    return r"\[" + call + (r"(?:,[ ]?" + call + ")*" if many else "") + r"\]"

@@ -139,6 +139,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: I64 | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # with a required call: false asks for exactly one
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool | None = None  # None: true unless continue_final_message
     continue_final_message: bool = False
@@ -409,17 +410,38 @@ def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
     return out
 
 
-def tool_parser(tools: list[Any] | None, tool_choice: Any, parser: str | None) -> str | None:
+def tool_parser(tools: list[Any] | None, tool_choice: Any, parser: str | None, *,
+                forced_ok: bool = False) -> str | None:  # fmt: skip
     """The tool-call parser a request's answer goes through (None: no tools), from its
-    tools, its tool_choice and the server's --tool-call-parser."""
-    _check(tool_choice in (None, "auto", "none"),
-           "tool_choice must be 'auto' or 'none': a required or named call needs constrained "
-           "decoding, which this server does not do", "tool_choice")  # fmt: skip
+    tools, its tool_choice and the server's --tool-call-parser. `forced_ok`: the
+    endpoint constrains the answer for a required or named call (forced_call)."""
+    if not forced_ok:
+        _check(tool_choice in (None, "auto", "none"), "tool_choice must be 'auto' or 'none' "
+               "here (a required or named call is taken by /v1/chat/completions)",
+               "tool_choice")  # fmt: skip
+    forced = forced_call(tool_choice)
+    _check(forced is None or bool(tools), "tool_choice asks for a call but there are no tools",
+           "tool_choice")  # fmt: skip
     if not tools or tool_choice == "none":
         return None
     _check(parser is not None, "tools need a server started with --tool-call-parser "
            f"({', '.join(PARSERS)})", "tools")  # fmt: skip
     return parser
+
+
+def forced_call(tool_choice: Any) -> str | None:
+    """None when the model may answer freely ("auto", "none", absent); "" for a required
+    call of any tool; the function's name for {"type": "function", "function":
+    {"name": ...}}."""
+    if tool_choice in (None, "auto", "none"):
+        return None
+    if tool_choice == "required":
+        return ""
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    _check(isinstance(fn, dict) and isinstance(fn.get("name"), str) and bool(fn["name"]),
+           "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', "
+           "'function': {'name': ...}}", "tool_choice")  # fmt: skip
+    return fn["name"]
 
 
 def check_tools(tools: list[Any]) -> list[dict[str, Any]]:

@@ -5,8 +5,13 @@ without it tools are a 400 that names the option."""
 
 from __future__ import annotations
 
+import json
+
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {}}}}]  # fmt: skip
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}}
+CITY_TOOLS = [{"type": "function", "function": {"name": n, "parameters": CITY}}
+              for n in ("get_weather", "get_time")]  # fmt: skip
 
 
 def test_tools_need_the_parser_and_run_with_it(server, start_server, call, tmp_path):
@@ -27,3 +32,21 @@ def test_tools_need_the_parser_and_run_with_it(server, start_server, call, tmp_p
                  {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]  # fmt: skip
         status, out = call(s, "/v1/chat/completions", {**body, "messages": turns})
         assert status == 200 and out["usage"]["prompt_tokens"] > 0, out
+        # tool_choice "required": the answer is constrained to calls, so even this
+        # model, which never writes one of its own accord, answers with one
+        # (parallel_tool_calls false: exactly one call; this model would go on calling)
+        forced = {**body, "tools": CITY_TOOLS, "tool_choice": "required", "max_tokens": 64,
+                  "parallel_tool_calls": False}  # fmt: skip
+        for extra in ({}, {"tool_choice": {"type": "function", "function": {"name": "get_time"}}}):
+            status, out = call(s, "/v1/chat/completions", {**forced, **extra})
+            assert status == 200, out
+            choice = out["choices"][0]
+            assert choice["finish_reason"] == "tool_calls", choice
+            calls = choice["message"]["tool_calls"]
+            assert calls and all(
+                c["function"]["name"] in ("get_weather", "get_time") for c in calls
+            )
+            args = json.loads(calls[0]["function"]["arguments"])
+            assert isinstance(args["city"], str) and len(args["city"]) <= 20
+            if extra:
+                assert [c["function"]["name"] for c in calls] == ["get_time"]

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from shunter.gateway.tool_calls import Splitter, openai_calls, parse
+from shunter.gateway.tool_calls import Splitter, forced_regex, openai_calls, parse
 
 QWEN_TWO = ('Let me check.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n'
             '</tool_call>\n<tool_call>\n{"name": "time", "arguments": {}}\n</tool_call>')  # fmt: skip
@@ -87,6 +87,66 @@ def test_streaming_releases_content_and_holds_calls(parser, text, size):
         assert sent + rest == text
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        },
+    },
+}
+CLOCK = {"type": "function", "function": {"name": "now"}}
+
+
+@pytest.mark.parametrize(
+    ("parser", "answer"),
+    [
+        ("qwen25", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+                   '"days": 2}}\n</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}'
+                   '\n</tool_call>'),
+        ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}; '
+                   '{"name": "now", "parameters": {}}'),
+        ("mistral", '[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
+                    '{"name": "now", "arguments": {}}]'),
+    ],
+)  # fmt: skip
+def test_a_required_call_pattern_takes_the_formats_calls_and_nothing_else(parser, answer):
+    """tool_choice "required": one or more calls in the parser's format, whose arguments
+    have their function's shape; a named call: that function's, once."""
+    import re
+
+    pattern = forced_regex(parser, [WEATHER, CLOCK], None)
+    assert re.fullmatch(pattern, answer)
+    assert [name for name, _ in parse(parser, answer)[1]] == ["get_weather", "now"]
+    assert not re.fullmatch(pattern, "It is sunny.")
+    assert not re.fullmatch(pattern, answer.replace('"days": 2', '"days": "two"'))
+    named = forced_regex(parser, [WEATHER, CLOCK], "now")
+    assert not re.fullmatch(named, answer)  # two calls, and one of another function
+    one = forced_regex(parser, [WEATHER, CLOCK], None, many=False)  # parallel_tool_calls false
+    assert not re.fullmatch(one, answer)
+    assert re.fullmatch(one, forced_answer(parser, "now"))
+    assert re.fullmatch(named, forced_answer(parser, "now"))
+    with pytest.raises(ValueError, match="not among the tools"):
+        forced_regex(parser, [WEATHER], "now")
+
+
+def forced_answer(parser: str, name: str) -> str:
+    call = json.dumps({"name": name, "parameters" if parser == "llama3" else "arguments": {}})
+    return {"qwen25": f"<tool_call>\n{call}\n</tool_call>", "llama3": call,
+            "mistral": f"[{call}]"}[parser]  # fmt: skip
+
+
+def test_a_required_call_is_refused_where_it_cannot_be_written():
+    with pytest.raises(ValueError, match="pythonic"):
+        forced_regex("pythonic", [WEATHER], None)
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+           "properties": {"x": {"type": "string", "pattern": "a+"}}}}}  # fmt: skip
+    with pytest.raises(ValueError, match=r"function 'f'.*pattern"):
+        forced_regex("qwen25", [bad], None)
+
+
 def test_openai_shape():
     out = openai_calls([("f", '{"a": 1}')], ["call_1"])
     assert out == [{"id": "call_1", "type": "function",
@@ -159,9 +219,9 @@ def test_a_conversation_with_tool_turns_runs(tool_client):
 @pytest.mark.parametrize(
     "extra, param",
     [
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-         "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0]"),
     ],
 )  # fmt: skip

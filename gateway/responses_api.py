@@ -21,8 +21,9 @@ latest MAX_STORED of them: GET returns it (and /input_items its own input), DELE
 forgets it, and `previous_response_id` continues its conversation (its input and
 output, calls included, ahead of the new input; its instructions are not carried
 over, as OpenAI does). An unknown id is a 404 (GET, DELETE) or a 400
-(`previous_response_id`). Structured text formats, reasoning options, background mode
-and `n` are 400s.
+(`previous_response_id`). `text.format` json_schema and json_object constrain the
+answer as chat's response_format does. Reasoning options, background mode and `n` are
+400s.
 
 Theory of operation: the input becomes the messages of one chat generation
 (chat_api.py's path through the chat template); the handler shapes its deltas, and
@@ -59,6 +60,7 @@ from shunter.gateway.validation import (
     SamplingFields,
     check_max_tokens,
     check_model,
+    constraint_regex,
     decode_body,
     sampling_from,
     tool_parser,
@@ -99,6 +101,10 @@ STORE = web.AppKey("responses", ResponseStore)
 
 class TextFormat(msgspec.Struct):
     type: str
+    schema: dict[str, Any] | None = None  # json_schema's, with its name and strictness
+    name: str | None = None
+    strict: bool | None = None
+    description: str | None = None
 
 
 class TextOptions(msgspec.Struct):
@@ -122,12 +128,18 @@ class ResponsesRequest(SamplingFields, kw_only=True):
     truncation: str | None = None
 
 
+def _text_echo(text: TextOptions | None) -> dict:
+    """The response's `text` field: the format asked for (text by default)."""
+    if text is None or text.format is None:
+        return {"format": {"type": "text"}}
+    fmt = {k: v for k, v in msgspec.structs.asdict(text.format).items() if v is not None}
+    return {"format": fmt}
+
+
 def _refuse_unsupported(req: ResponsesRequest) -> None:
     def refuse(param: str, what: str) -> None:
         raise bad_request(f"{what} is not supported by this server", param=param)
 
-    if req.text is not None and req.text.format is not None and req.text.format.type != "text":
-        refuse("text", f"text format {req.text.format.type!r} (only 'text')")
     if req.reasoning is not None:
         refuse("reasoning", "reasoning")
     if req.include:
@@ -190,7 +202,7 @@ class _Shape:
             "top_p": r.top_p, "metadata": r.metadata or {}, "user": r.user, "store": r.store,
             "parallel_tool_calls": False, "tools": r.tools or [],
             "tool_choice": r.tool_choice or ("auto" if r.tools else "none"),
-            "text": {"format": {"type": "text"}}, "truncation": "disabled",
+            "text": _text_echo(r.text), "truncation": "disabled",
             "previous_response_id": r.previous_response_id, "reasoning": None,
             "background": False,
         }  # fmt: skip
@@ -221,6 +233,10 @@ async def responses(request: web.Request) -> web.StreamResponse:
     max_new = ctx.config.max_context_len if clamp else req.max_output_tokens
     sampling = sampling_from(req, max_new_tokens=max_new, return_logprob=False,
                              top_logprobs_num=0)  # fmt: skip
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None and fmt.type != "text":  # structured output: the answer is constrained
+        regex = constraint_regex(req, fmt, "text")
+        sampling = msgspec.structs.replace(sampling, regex=regex)
     ctx.engine.check_available()
     shape = _Shape(req, ctx.config.served_model_name)
     gen = GenerateRequest(shape.id, sampling, messages=messages, stream=req.stream,

@@ -187,22 +187,21 @@ def check_model(requested: str | None, served: str) -> None:
         )
 
 
-def constraint_regex(req: Any) -> str:
+def constraint_regex(req: Any, fmt: Any = None, fmt_param: str = "response_format") -> str:
     """The regular expression a request's output must match whole: its `regex`, its
-    `json_schema` (SGLang's names), or its `response_format` (json_schema or
-    json_object); "" when none. At most one may be given."""
+    `json_schema` (SGLang's names), or its output format `fmt` (chat's response_format,
+    the Responses API's text.format, named `fmt_param`: json_schema or json_object);
+    "" when none. At most one may be given."""
     from shunter.actors.grammar.json_schema import json_object, schema_regex
 
-    fmt = getattr(req, "response_format", None)
+    if fmt is None:
+        fmt = getattr(req, "response_format", None)
     given = [n for n in ("regex", "json_schema") if getattr(req, n, None) is not None]
     if fmt is not None and fmt.type != "text":
-        given.append("response_format")
-    _check(len(given) <= 1, f"give at most one of regex, json_schema, response_format; "
+        given.append(fmt_param)
+    _check(len(given) <= 1, f"give at most one of regex, json_schema, {fmt_param}; "
                             f"got {', '.join(given)}", given[-1] if given else None)  # fmt: skip
     if not given:
-        if fmt is not None and fmt.type != "text":
-            raise bad_request(f"response_format type {fmt.type!r} is not supported",
-                              param="response_format")  # fmt: skip
         return ""
     try:
         if given[0] == "regex":
@@ -214,11 +213,11 @@ def constraint_regex(req: Any) -> str:
         if fmt.type == "json_object":
             return json_object()
         if fmt.type != "json_schema":
-            raise bad_request(f"response_format type {fmt.type!r} is not supported (text, "
-                              "json_object or json_schema)", param="response_format")  # fmt: skip
-        schema = fmt.json_schema.schema if fmt.json_schema is not None else fmt.schema
-        _check(schema is not None, "response_format json_schema needs a schema",
-               "response_format")  # fmt: skip
+            raise bad_request(f"{fmt_param} type {fmt.type!r} is not supported (text, "
+                              "json_object or json_schema)", param=fmt_param)  # fmt: skip
+        nested = getattr(fmt, "json_schema", None)
+        schema = nested.schema if nested is not None else fmt.schema
+        _check(schema is not None, f"{fmt_param} json_schema needs a schema", fmt_param)
         return schema_regex(schema)
     except ValueError as e:
         raise bad_request(str(e), param=given[0]) from None

@@ -99,6 +99,22 @@ def test_stored_responses_continue_and_go(client, model):
         client.responses.retrieve(unstored.id)
 
 
+def test_a_json_schema_text_format_constrains_the_answer(client, model):
+    """text.format json_schema (the Responses API's structured output): the answer
+    parses with the schema's shape, and the response echoes the format."""
+    import json
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "rainy": {"type": "boolean"}}}  # fmt: skip
+    r = client.responses.create(
+        model=model, input="The weather in Paris as JSON.", max_output_tokens=48,
+        text={"format": {"type": "json_schema", "name": "weather", "schema": schema}},
+    )  # fmt: skip
+    data = json.loads(r.output_text)
+    assert isinstance(data["city"], str) and isinstance(data["rainy"], bool)
+    assert r.text.format.type == "json_schema" and r.text.format.name == "weather"
+
+
 @pytest.mark.parametrize(
     "extra, param",
     [
@@ -109,7 +125,10 @@ def test_stored_responses_continue_and_go(client, model):
          "input[0].arguments"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
          "input[0].content"),
-        ({"text": {"format": {"type": "json_object"}}}, "text"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "string",
+                                                                          "pattern": "a"}}}},
+         "text"),
+        ({"text": {"format": {"type": "xml"}}}, "text"),
         ({"input": []}, "input"),
         ({"text": {"format": "json"}}, "text.format"),
         ({"input": [{"role": "user", "content": [{"type": "input_text", "text": None}]}]},

@@ -148,8 +148,9 @@ class TokenFsm:
             nxt = self._table[st, ch]
             unknown = nxt == _UNKNOWN
             if unknown.any():
-                for a, c in np.unique(np.stack([st[unknown], ch[unknown]], axis=1), axis=0):
-                    self._fill(int(a), int(c))
+                width = self._table.shape[1]
+                for key in np.unique(st[unknown].astype(np.int64) * width + ch[unknown]).tolist():
+                    self._fill(*divmod(key, width))
                 nxt = self._table[st, ch]
             cur[idx] = nxt
             alive[idx[nxt == DEAD]] = False

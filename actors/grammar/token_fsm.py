@@ -88,7 +88,7 @@ class TokenFsm:
         self._sets: list[tuple[int, ...]] = []
         self._ids: dict[tuple[int, ...], int] = {}
         self._table = np.full((16, max(len(vocab.chars), 1)), _UNKNOWN, dtype=np.int32)
-        self._masks: dict[int, np.ndarray] = {}
+        self._masks: dict[int, np.ndarray] = {}  # state -> its mask, packed
         self.initial = self._state(self.nfa.start_closure)
 
     @property
@@ -123,18 +123,18 @@ class TokenFsm:
         return nxt
 
     def allowed(self, state: int) -> np.ndarray:
-        """bool [V]: the tokens that may come next in `state` (kept per state). Past
-        MAX_DFA_STATES only the end-of-sequence ids: the row ends rather than fail."""
-        mask = self._masks.get(state)
-        if mask is not None:
+        """bool [V]: the tokens that may come next in `state` (kept per state, packed to
+        a bit a token). Past MAX_DFA_STATES only the end-of-sequence ids: the row ends
+        rather than fail."""
+        packed = self._masks.get(state)
+        if packed is None:
+            try:
+                mask = self._walk(state)
+            except ValueError:
+                mask = eos_only(self.vocab)
+            packed = self._masks[state] = np.packbits(mask)
             return mask
-        try:
-            mask = self._walk(state)
-        except ValueError:
-            mask = np.zeros(len(self.vocab.texts), dtype=bool)
-            mask[self.vocab.eos_ids] = True
-        self._masks[state] = mask
-        return mask
+        return np.unpackbits(packed, count=len(self.vocab.texts)).view(bool)
 
     def _walk(self, state: int) -> np.ndarray:
         v = self.vocab

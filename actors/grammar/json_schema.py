@@ -4,18 +4,28 @@ can constrain a generation to.
 Theory of operation: the schema is walked once and each node becomes a pattern for
 one JSON value of that shape; the output is a single value. Objects list every
 property of `properties` in order (required or not, as strict structured outputs
-ask), separated by "," or ", " and ":" or ": "; arrays take `items` repeated between
-`minItems` and `maxItems`; strings are JSON strings (escapes included) with
-`minLength`/`maxLength` counted in characters; `enum` and `const` are their JSON
-texts; `anyOf`/`oneOf` and type lists are alternatives; `$ref` to `#/$defs/...` or
-`#/definitions/...` is inlined. `json_object()` is any JSON object, nested at most
-JSON_OBJECT_DEPTH levels (a regular language cannot count brackets).
+ask), separated by "," or ", " and ":" or ": "; an object schema without `properties`
+is any object (its values of `additionalProperties`' schema where that is one).
+Arrays take `items` repeated between `minItems` and `maxItems` (any values without
+`items`). Strings are JSON strings (escapes included) with `minLength`/`maxLength`
+counted in characters, or their `pattern` (a whole-string match: a leading ^ and a
+trailing $ change nothing), or their `format` (date-time, date, time, duration,
+email, hostname, ipv4, ipv6, uuid, uri). Integers keep to `minimum`/`maximum` and
+their exclusive forms exactly; numbers too, in decimal notation, with bounds rounded
+to integers inward (so a bound of 0.5 admits 1 and up). `enum` and `const` are their
+JSON texts; `anyOf`/`oneOf` and type lists are alternatives; `$ref` to `#/$defs/...`
+or `#/definitions/...` is inlined. A node that says nothing about its value (`{}`,
+`true`, a description alone) is any JSON value. A regular language cannot count
+brackets, so what is free nests a bounded number of objects or arrays: `json_object()`
+(any JSON object) holds values nesting JSON_OBJECT_DEPTH levels; a schema free from
+its top alike (`{}` is such a value, `{"type": "object"}` is `json_object()`); a free
+value or container inside a schema nests ANY_DEPTH levels, itself counted.
 
-Refused with a ValueError that names the keyword: recursive references, `pattern`,
-`patternProperties`, `allOf` of more than one schema, a node with no type, enum or
-const, and anything nested deeper than MAX_DEPTH. Not enforced (the output is valid
-JSON of the right shape, but these bounds are not checked): numeric `minimum` /
-`maximum` / `multipleOf`, string `format`.
+Refused with a ValueError that names the keyword: recursive references,
+`patternProperties`, `allOf` of more than one schema, an unknown `format`, and
+anything nested deeper than MAX_DEPTH. Not enforced (the output is valid JSON of the
+right shape, but these are not checked): `multipleOf`, and `minLength`/`maxLength`
+beside a `pattern` or `format`.
 """
 
 from __future__ import annotations
@@ -26,10 +36,13 @@ from typing import Any
 
 MAX_DEPTH = 12
 JSON_OBJECT_DEPTH = 2
+ANY_DEPTH = 1
+MAX_DIGITS = 18  # integers and integer parts have at most this many digits
 _SPACE = "[ ]?"
 _STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
 _INTEGER = r"-?(?:0|[1-9][0-9]{0,17})"
-_NUMBER = _INTEGER + r"(?:\.[0-9]{1,17})?(?:[eE][+-]?[0-9]{1,3})?"
+_FRACTION = r"\.[0-9]{1,17}"
+_NUMBER = _INTEGER + f"(?:{_FRACTION})?" + r"(?:[eE][+-]?[0-9]{1,3})?"
 _SCALARS = {
     "string": f'"{_STRING_CHAR}*"',
     "integer": _INTEGER,
@@ -47,6 +60,145 @@ def _alt(parts: list[str]) -> str:
     return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
 
 
+_DATE = r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\.[0-9]{1,9})?(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+_H16 = r"[0-9A-Fa-f]{1,4}"
+
+
+def _some(parts: list[str]) -> str:
+    """One or more of `parts`, in their order."""
+    return _alt(
+        [parts[i] + "".join(f"(?:{p})?" for p in parts[i + 1 :]) for i in range(len(parts))]
+    )
+
+
+_SECONDS = _some(["[0-9]{1,9}H", "[0-9]{1,9}M", r"[0-9]{1,9}(?:\.[0-9]{1,9})?S"])
+_FORMATS = {  # the string formats of JSON Schema's validation vocabulary that we shape
+    "date-time": _DATE + r"[Tt ]" + _TIME,
+    "date": _DATE,
+    "time": _TIME,
+    "duration": "P(?:[0-9]{1,9}W|" + _some(["[0-9]{1,9}Y", "[0-9]{1,9}M", "[0-9]{1,9}D"])
+                + "(?:T" + _SECONDS + ")?|T" + _SECONDS + ")",
+    "email": r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]{1,64}(?:\.[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]{1,64}){0,8}"
+             r"@" + _LABEL + r"(?:\." + _LABEL + r"){0,8}",
+    "hostname": _LABEL + r"(?:\." + _LABEL + r"){0,8}",
+    "ipv4": _OCTET + r"(?:\." + _OCTET + r"){3}",
+    "ipv6": "(?:" + "|".join(  # eight groups, or at most seven around one "::"
+        [f"(?:{_H16}:){{7}}{_H16}"]
+        + [(f"(?:{_H16}:){{{i - 1}}}{_H16}" if i else "") + "::"
+           + (f"(?:(?:{_H16}:){{0,{6 - i}}}{_H16})?" if i < 7 else "") for i in range(8)]) + ")",
+    "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+    "uri": r"[A-Za-z][A-Za-z0-9+.-]{0,31}:[A-Za-z0-9\-._~:/?#\[\]@!$&'()*+,;=%]{1,256}",
+}  # fmt: skip
+
+
+def _digits_between(lo: str, hi: str) -> str:
+    """The decimal strings of one length from lo to hi (lo <= hi, no sign)."""
+    if lo == hi:
+        return lo
+    if len(lo) == 1:
+        return f"[{lo}-{hi}]"
+    if lo[0] == hi[0]:
+        return lo[0] + _digits_between(lo[1:], hi[1:])
+    rest = len(lo) - 1
+    low_full, high_full = lo[1:] == "0" * rest, hi[1:] == "9" * rest
+    first, last = int(lo[0]) + (not low_full), int(hi[0]) - (not high_full)
+    parts = [] if low_full else [lo[0] + _digits_between(lo[1:], "9" * rest)]
+    if first <= last:
+        parts.append(f"[{first}-{last}][0-9]{{{rest}}}")
+    if not high_full:
+        parts.append(hi[0] + _digits_between("0" * rest, hi[1:]))
+    return _alt(parts)
+
+
+def _naturals(lo: int, hi: int | None) -> str:
+    """0 <= lo <= n <= hi (hi None: up to MAX_DIGITS digits), without leading zeros."""
+    top = 10**MAX_DIGITS - 1
+    hi = top if hi is None else min(hi, top)
+    parts = []
+    for n in range(len(str(lo)), len(str(hi)) + 1):
+        a, b = max(lo, 10 ** (n - 1) if n > 1 else 0), min(hi, 10**n - 1)
+        if a <= b:
+            parts.append(_digits_between(str(a), str(b)))
+    return _alt(parts)
+
+
+Bound = tuple[int, bool]  # an integer part and whether it may be reached exactly
+
+
+def _bounds(node: dict) -> tuple[Bound | None, Bound | None]:
+    """A numeric node's lower and upper bounds (None: unbounded) as (integer, reached):
+    between them any value; at an integer bound, the bound itself if `reached`; a
+    bound that is no integer is rounded inward and is reached."""
+    import math
+
+    def bound(inclusive: str, exclusive: str, inward, tighter) -> Bound | None:
+        found = []
+        for key in (inclusive, exclusive):
+            v = node.get(key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                continue
+            found.append((inward(v), key == inclusive or inward(v) != v))
+        return tighter(found) if found else None
+
+    lo = bound(
+        "minimum", "exclusiveMinimum", math.ceil, lambda b: max(b, key=lambda x: (x[0], not x[1]))
+    )
+    hi = bound(
+        "maximum", "exclusiveMaximum", math.floor, lambda b: min(b, key=lambda x: (x[0], x[1]))
+    )
+    return lo, hi
+
+
+def _integers(lo: Bound | None, hi: Bound | None) -> str | None:
+    """The integers between two bounds, or None where there are none."""
+    a = None if lo is None else lo[0] + (not lo[1])
+    b = None if hi is None else hi[0] - (not hi[1])
+    if a is not None and b is not None and a > b:
+        return None
+    parts = []
+    if b is None or b >= 0:
+        parts.append(_naturals(max(a or 0, 0), b))
+    if a is None or a < 0:
+        parts.append("-" + _naturals(max(-b, 1) if b is not None else 1, None if a is None else -a))
+    return _alt(parts)
+
+
+def _magnitudes(lo: Bound, hi: Bound | None) -> str | None:
+    """Non-negative decimals x (no exponent) with lo <= x <= hi as _bounds reads them:
+    an unreached lower bound needs a fraction that is not all zeros, a reached upper
+    bound may only have zeros after it."""
+    (a, a_in), top = lo, hi
+    b = None if top is None else top[0]
+    if b is not None and (a > b or (a == b and not (a_in and top[1]))):
+        return None
+    parts = []
+    if not a_in:
+        parts.append(f"{a}" + r"\.[0-9]{0,16}[1-9]")
+        a += 1
+    if b is None or a <= b - 1:
+        parts.append(_naturals(a, None if b is None else b - 1) + f"(?:{_FRACTION})?")
+    if b is not None and top[1] and a <= b:
+        parts.append(str(b) + r"(?:\.0{1,17})?")
+    return _alt(parts) if parts else None
+
+
+def _numbers(lo: Bound | None, hi: Bound | None) -> str | None:
+    """The decimals between two bounds (zero or more on each side of 0), or None."""
+    parts = []
+    if hi is None or hi[0] >= 0:
+        pos_lo = lo if lo is not None and lo[0] >= 0 else (0, True)
+        parts.append(_magnitudes(pos_lo, hi))
+    if lo is None or lo[0] < 0:
+        neg_lo = (-hi[0], hi[1]) if hi is not None and hi[0] < 0 else (0, False)
+        neg = _magnitudes(neg_lo, None if lo is None else (-lo[0], lo[1]))
+        parts.append(None if neg is None else "-" + neg)
+    parts = [p for p in parts if p is not None]
+    return _alt(parts) if parts else None
+
+
 class _Converter:
     def __init__(self, root: dict) -> None:
         self.root = root
@@ -58,15 +210,14 @@ class _Converter:
     def value(self, node: Any, depth: int) -> str:
         if depth > MAX_DEPTH:
             raise self.fail(f"nested deeper than {MAX_DEPTH} levels")
-        if node is True or node == {}:
-            raise self.fail("a schema that allows any value is not supported (give a type)")
+        if node is True:
+            return self.free(depth)
         if not isinstance(node, dict):
             raise self.fail(f"a schema must be an object, got {node!r}")
         if "$ref" in node:
             return self.ref(node["$ref"], depth)
-        for key in ("pattern", "patternProperties"):
-            if key in node:
-                raise self.fail(f"'{key}' is not supported")
+        if "patternProperties" in node:
+            raise self.fail("'patternProperties' is not supported")
         if "allOf" in node:
             if len(node["allOf"]) != 1:
                 raise self.fail("'allOf' of more than one schema is not supported")
@@ -82,10 +233,14 @@ class _Converter:
                 return _alt([self.value(n, depth + 1) for n in node[key]])
         types = node.get("type")
         if types is None:
-            if "properties" in node:
+            if "properties" in node or "additionalProperties" in node:
                 types = "object"
+            elif "items" in node:
+                types = "array"
+            elif "pattern" in node or "format" in node:
+                types = "string"
             else:
-                raise self.fail(f"a schema needs a type, enum or const: {json.dumps(node)[:80]}")
+                return self.free(depth)
         if isinstance(types, list):
             return _alt([self.typed({**node, "type": t}, t, depth) for t in types])
         return self.typed(node, types, depth)
@@ -95,15 +250,63 @@ class _Converter:
             return self.obj(node, depth)
         if kind == "array":
             return self.array(node, depth)
-        if kind == "string" and ("minLength" in node or "maxLength" in node):
-            lo = int(node.get("minLength", 0))
-            hi = node.get("maxLength")
-            return f'"{_STRING_CHAR}{{{lo},{"" if hi is None else int(hi)}}}"'
+        if kind == "string":
+            return self.string(node)
+        if kind in ("integer", "number"):
+            lo, hi = _bounds(node)
+            if lo is None and hi is None:
+                return _SCALARS[kind]
+            pattern = (_integers if kind == "integer" else _numbers)(lo, hi)
+            if pattern is None:
+                raise self.fail(f"no {kind} is within {json.dumps(node)[:80]}")
+            return pattern
         if kind not in _SCALARS:
             raise self.fail(f"unknown type {kind!r}")
         return _SCALARS[kind]
 
+    def free(self, depth: int, *, inside: bool = False) -> str:
+        """Any value where a schema says nothing (the module docstring's depths); inside:
+        a member of a free object or array at this depth."""
+        return any_value(JSON_OBJECT_DEPTH if depth == 0 else ANY_DEPTH - inside)
+
+    def string(self, node: dict) -> str:
+        if "pattern" in node:
+            return f'"(?J:{self.pattern(node["pattern"])})"'
+        if "format" in node:
+            if node["format"] not in _FORMATS:
+                raise self.fail(f"format {node['format']!r} is not supported (one of "
+                                f"{', '.join(sorted(_FORMATS))})")  # fmt: skip
+            return f'"(?:{_FORMATS[node["format"]]})"'
+        if "minLength" in node or "maxLength" in node:
+            lo = int(node.get("minLength", 0))
+            hi = node.get("maxLength")
+            return f'"{_STRING_CHAR}{{{lo},{"" if hi is None else int(hi)}}}"'
+        return _SCALARS["string"]
+
+    def pattern(self, pattern: str) -> str:
+        """A string's `pattern`, its anchors dropped, checked on its own (so that it
+        cannot close the group it is put in)."""
+        from shunter.actors.grammar.regex import Nfa
+
+        if not isinstance(pattern, str):
+            raise self.fail("'pattern' must be a string")
+        body = pattern[1:] if pattern.startswith("^") else pattern
+        if body.endswith("$"):
+            backslashes = len(body) - 1 - len(body[:-1].rstrip("\\"))
+            if backslashes % 2 == 0:  # not an escaped "\\$"
+                body = body[:-1]
+        Nfa(body or "(?:)", param="json_schema pattern", max_states=100_000)
+        return body
+
     def obj(self, node: dict, depth: int) -> str:
+        if "properties" not in node:
+            extra = node.get("additionalProperties", True)
+            if extra is False:
+                return r"\{\}"
+            free = extra is True or extra == {}
+            return _object_of(
+                self.free(depth, inside=True) if free else self.value(extra, depth + 1)
+            )
         props = node.get("properties") or {}
         if not isinstance(props, dict):
             raise self.fail("'properties' must be an object")
@@ -113,9 +316,7 @@ class _Converter:
 
     def array(self, node: dict, depth: int) -> str:
         items = node.get("items")
-        if items is None:
-            raise self.fail("an array needs 'items'")
-        item = self.value(items, depth + 1)
+        item = self.free(depth, inside=True) if items is None else self.value(items, depth + 1)
         lo, hi = int(node.get("minItems", 0)), node.get("maxItems")
         rest_hi = "" if hi is None else str(max(int(hi) - 1, 0))
         more = f"(?:,{_SPACE}{item}){{{max(lo - 1, 0)},{rest_hi}}}"
@@ -156,14 +357,21 @@ def schema_regex(schema: dict | str) -> str:
         raise ValueError(f"json_schema: a keyword has a value of the wrong type ({e})") from None
 
 
-def json_object(depth: int = JSON_OBJECT_DEPTH) -> str:
-    """Any JSON object whose values nest at most `depth` objects or arrays deep."""
+def _object_of(value: str) -> str:
+    member = _SCALARS["string"] + ":" + _SPACE + value
+    return r"\{(?:" + member + "(?:," + _SPACE + member + r")*)?\}"
+
+
+def any_value(depth: int = ANY_DEPTH) -> str:
+    """Any JSON value nesting at most `depth` objects or arrays."""
     scalar = _alt([_SCALARS["string"], _NUMBER, "true", "false", "null"])
     value = scalar
     for _ in range(depth):
-        obj = (r"\{(?:" + _SCALARS["string"] + ":" + _SPACE + value + "(?:," + _SPACE
-               + _SCALARS["string"] + ":" + _SPACE + value + r")*)?\}")  # fmt: skip
         arr = r"\[(?:" + value + "(?:," + _SPACE + value + r")*)?\]"
-        value = _alt([scalar, obj, arr])
-    return r"\{" + "(?:" + _SCALARS["string"] + ":" + _SPACE + value + "(?:," + _SPACE + \
-        _SCALARS["string"] + ":" + _SPACE + value + r")*)?\}"  # fmt: skip
+        value = _alt([scalar, _object_of(value), arr])
+    return value
+
+
+def json_object(depth: int = JSON_OBJECT_DEPTH) -> str:
+    """Any JSON object whose values nest at most `depth` objects or arrays deep."""
+    return _object_of(any_value(depth))

@@ -15,6 +15,12 @@ negations, groups `(...)`, `(?:...)`, `(?P<name>...)`, alternation `|`, the quan
 of the pattern and, where the caller allows it, `$` at its end. Refused with a
 `ValueError` that names the parameter and the reason: `\\b`, backreferences,
 lookarounds, inline flags.
+
+One extension, where the caller allows it (constraints): `(?J:...)` matches the text
+its pattern matches as it is written inside a JSON string: a quote, a backslash and
+the control characters it would match match only in their escaped forms (`\\"`,
+`\\\\`, `\\n` or `\\u000a`, ...). A JSON Schema's string `pattern` is kept this way
+(json_schema.py), so whatever the pattern allows, the output stays valid JSON.
 """
 
 from __future__ import annotations
@@ -51,11 +57,12 @@ _REFUSED_ESCAPES = {
 
 
 class _Parser:
-    def __init__(self, pattern: str, param: str, end_anchor: bool) -> None:
+    def __init__(self, pattern: str, param: str, end_anchor: bool, json_groups: bool) -> None:
         self.p = pattern
         self.i = 0
         self.param = param
         self.end_anchor = end_anchor  # a final "$" is allowed (a whole-text match)
+        self.json_groups = json_groups  # (?J:...) is allowed (the module docstring)
 
     def fail(self, why: str) -> ValueError:
         return ValueError(f"{self.param} {self.p!r}: {why} (at offset {self.i})")
@@ -130,11 +137,15 @@ class _Parser:
     def atom(self) -> tuple:
         c = self.take()
         if c == "(":
+            json_group = False
             if self.peek() == "?":
                 self.i += 1
                 kind = self.peek()
                 if kind == ":":
                     self.i += 1
+                elif kind == "J" and self.json_groups and self.p.startswith("J:", self.i):
+                    self.i += 2
+                    json_group = True
                 elif kind == "P" and self.p.startswith("P<", self.i):
                     close = self.p.find(">", self.i)
                     if close < 0:
@@ -148,7 +159,7 @@ class _Parser:
             if self.peek() != ")":
                 raise self.fail("missing ')'")
             self.i += 1
-            return node
+            return _json_escaped(node) if json_group else node
         if c == "[":
             return ("char", self.char_class())
         if c == ".":
@@ -240,6 +251,47 @@ def _literal(c: str) -> Pred:
     return c.__eq__
 
 
+_JSON_SHORT = {'"': '"', "\\": "\\", "\b": "b", "\f": "f", "\n": "n", "\r": "r", "\t": "t"}
+_HEX = "0123456789abcdef"
+
+
+def _json_unsafe(c: str) -> bool:
+    return c in '"\\' or c < " "
+
+
+def _json_escaped(node: tuple) -> tuple:
+    """`node` with every character step reading the character as a JSON string holds
+    it: unescaped where JSON allows that, else after a backslash (the short escape, or
+    \\u00XX for a control character, its hex digits in either case)."""
+    kind = node[0]
+    if kind == "empty":
+        return node
+    if kind in ("cat", "alt"):
+        return (kind, [_json_escaped(child) for child in node[1]])
+    if kind == "rep":
+        return ("rep", _json_escaped(node[1]), node[2], node[3])
+    pred = node[1]
+    plain = ("char", lambda c: pred(c) and not _json_unsafe(c))
+    short = {letter for c, letter in _JSON_SHORT.items() if pred(c)}
+    controls = [chr(i) for i in range(0x20) if pred(chr(i))]
+    escapes = []
+    if short:
+        escapes.append(("char", short.__contains__))
+    for high in "01":
+        lows = {_HEX[ord(c) & 15] for c in controls if ord(c) >> 4 == int(high)}
+        lows |= {d.upper() for d in lows}
+        if lows:
+            escapes.append(("cat", [("char", _literal(ch)) for ch in "u00" + high]
+                            + [("char", lows.__contains__)]))  # fmt: skip
+    if not escapes:
+        return plain
+    escaped = (
+        "cat",
+        [("char", _literal("\\")), escapes[0] if len(escapes) == 1 else ("alt", escapes)],
+    )
+    return ("alt", [plain, escaped])
+
+
 # ---- NFA ---------------------------------------------------------------------------
 
 
@@ -303,13 +355,13 @@ class Nfa:
     that the start reaches without reading; `anchored`: the pattern began with ^."""
 
     def __init__(self, pattern: str, *, param: str, max_states: int, end_anchor: bool = False,
-                 max_chars: int = MAX_PATTERN_CHARS) -> None:  # fmt: skip
+                 max_chars: int = MAX_PATTERN_CHARS, json_groups: bool = False) -> None:  # fmt: skip
         if not pattern:
             raise ValueError(f"{param} must not be empty")
         if len(pattern) > max_chars:
             raise ValueError(f"{param} is limited to {max_chars} characters")
         self.pattern = pattern
-        self.anchored, tree = _Parser(pattern, param, end_anchor).parse()
+        self.anchored, tree = _Parser(pattern, param, end_anchor, json_groups).parse()
         b = _Builder(param, max_states)
         self.accept = b.new()
         self.start = b.build(tree, self.accept)
@@ -338,3 +390,14 @@ class Nfa:
     @property
     def matches_empty(self) -> bool:
         return self.accept in self.start_closure
+
+    def fullmatch(self, text: str) -> bool:
+        """Whether the pattern matches all of `text` (a direct simulation, for checks and
+        tests; the scanners keep their own state sets)."""
+        states = self.start_closure
+        for c in text:
+            nxt = [self.step[s][1] for s in states if s != self.accept and self.step[s][0](c)]
+            if not nxt:
+                return False
+            states = self.close(nxt)
+        return self.accept in states

@@ -38,9 +38,10 @@ MAX_REGEX_CHARS = 200_000  # what a schema becomes may be long; the states bound
 
 @functools.lru_cache(maxsize=128)
 def constraint_nfa(pattern: str) -> Nfa:
-    """The NFA of a constraint's pattern (matched whole); ValueError if refused."""
+    """The NFA of a constraint's pattern (matched whole, JSON string groups allowed);
+    ValueError if refused."""
     return Nfa(pattern, param="regex", max_states=MAX_NFA_STATES, end_anchor=True,
-               max_chars=MAX_REGEX_CHARS)  # fmt: skip
+               max_chars=MAX_REGEX_CHARS, json_groups=True)  # fmt: skip
 
 
 class TokenVocab:

@@ -29,10 +29,12 @@ PERSON = {
     "type": "object",
     "properties": {
         "name": {"type": "string", "maxLength": 24},
-        "age": {"type": "integer"},
+        "age": {"type": "integer", "minimum": 18, "maximum": 99},
         "likes": {"type": "array", "items": {"enum": ["tea", "coffee", "cake"]}, "maxItems": 3},
+        "badge": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+        "born": {"type": "string", "format": "date"},
     },
-    "required": ["name", "age", "likes"],
+    "required": ["name", "age", "likes", "badge", "born"],
 }
 
 
@@ -57,8 +59,10 @@ def test_chat_json_schema_output_parses_and_has_the_schema_shape(client, model, 
     data = json.loads(r.choices[0].message.content)
     assert r.choices[0].finish_reason == "stop"
     assert isinstance(data["name"], str) and len(data["name"]) <= 24
-    assert isinstance(data["age"], int)
+    assert isinstance(data["age"], int) and 18 <= data["age"] <= 99
     assert set(data["likes"]) <= {"tea", "coffee", "cake"} and len(data["likes"]) <= 3
+    assert re.fullmatch("[A-Z]{3}-[0-9]{2}", data["badge"]), data
+    assert re.fullmatch("[0-9]{4}-[0-9]{2}-[0-9]{2}", data["born"]), data
 
 
 def test_streamed_json_object_parses_or_is_a_json_prefix_cut_by_the_length(client, model):
@@ -88,14 +92,14 @@ def test_generate_json_schema_as_sglang_takes_it(server):
             "temperature": 0, "max_new_tokens": 96, "json_schema": json.dumps(PERSON)},
     })  # fmt: skip
     assert status == 200, out
-    assert set(json.loads(out["text"])) == {"name", "age", "likes"}
+    assert set(json.loads(out["text"])) == set(PERSON["properties"])
 
 
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
         ({"regex": "a(?=b)"}, None, "lookaround"),
-        ({"json_schema": {"type": "string", "pattern": "a+"}}, "json_schema", "pattern"),
+        ({"json_schema": {"type": "string", "pattern": "a(?=b)"}}, "json_schema", "lookaround"),
         ({"ebnf": "root ::= 'a'"}, "ebnf", "not supported"),
         ({"regex": "a", "json_schema": {"type": "integer"}}, "json_schema", "at most one"),
         ({"response_format": {"type": "xml"}}, "response_format", "xml"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 import regex
+import torch
 
 from shunter.actors.executor.build import build_core
 from shunter.actors.executor.config import ExecutorConfig
@@ -15,11 +16,11 @@ from shunter.actors.grammar.token_fsm import GrammarCache, TokenVocab
 from tests.actors.executor.test_executor_pipeline import GREEDY, LS, TINY_LLAMA, Builder
 
 
-def tiny_config(d) -> ExecutorConfig:
+def tiny_config(d, device: str = "cpu") -> ExecutorConfig:
     import json
 
     (d / "config.json").write_text(json.dumps(TINY_LLAMA))
-    return ExecutorConfig(model_path=str(d), load_progress=False, device="cpu",
+    return ExecutorConfig(model_path=str(d), load_progress=False, device=device,
                           load_format="dummy", seed=5, max_total_tokens=256, page_size=4)  # fmt: skip
 
 
@@ -51,9 +52,13 @@ def _decode(core, builder, pattern: str, seed: int, steps: int, *, sampling=GREE
     return tokens
 
 
-@pytest.fixture(scope="module")
-def core(tmp_path_factory):
-    c = build_core(tiny_config(tmp_path_factory.mktemp("tiny")))
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def core(request, tmp_path_factory):
+    """The tiny model's core on the CPU and, on a GPU, on CUDA: there the mask is applied
+    to device logits as the sampler's last stage while the next step is launched."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    c = build_core(tiny_config(tmp_path_factory.mktemp("tiny"), request.param))
     c.grammars = GrammarCache(lambda: TokenVocab(TEXTS, [EOS]))
     return c
 

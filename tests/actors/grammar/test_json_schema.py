@@ -1,12 +1,16 @@
 """JSON Schema as a regular expression (actors/grammar/json_schema.py): instances of a
 schema, written compactly or with spaces, match its pattern whole (checked with
-Python's re, whose syntax the pattern keeps to), values of another shape do not;
-unsupported keywords and malformed schemas are ValueErrors that say which."""
+Python's re, whose syntax the pattern keeps to where no string `pattern` is in it, and
+with the constraint's own NFA), values of another shape do not; numeric bounds admit
+exactly the integers between them and only decimals between them; unsupported
+keywords and malformed schemas are ValueErrors that say which."""
 
 from __future__ import annotations
 
 import json
+import random
 import re
+from fractions import Fraction
 
 import pytest
 
@@ -54,16 +58,117 @@ def test_json_object_takes_nested_objects_and_arrays():
         assert not re.fullmatch(pattern, bad), bad
 
 
+def _accepts(schema) -> callable:
+    return constraint_nfa(schema_regex(schema)).fullmatch
+
+
+def test_integer_bounds_admit_exactly_the_integers_between_them():
+    rng = random.Random(0)
+    for _ in range(200):
+        lo = rng.randint(-(10**6), 10**6)
+        hi = lo + rng.randint(0, 10 ** rng.randint(0, 7))
+        accepts = _accepts({"type": "integer", "minimum": lo, "maximum": hi})
+        for v in (lo, hi, lo - 1, hi + 1, rng.randint(lo, hi), rng.randint(lo - 999, hi + 999)):
+            assert accepts(str(v)) == (lo <= v <= hi), (lo, hi, v)
+    accepts = _accepts({"type": "integer", "exclusiveMinimum": -3, "exclusiveMaximum": 12.5})
+    assert [v for v in range(-50, 50) if accepts(str(v))] == list(range(-2, 13))
+    assert not accepts("-0") and not accepts("007")
+    assert _accepts({"type": "integer", "minimum": 10**6})("123456789012345678")
+    with pytest.raises(ValueError, match="no integer"):
+        schema_regex({"type": "integer", "minimum": 3, "maximum": 2.5})
+
+
+NUMBERS = [f"{sign}{i}{frac}" for sign in ("", "-") for i in range(8)
+           for frac in ("", ".5", ".25", ".001", ".999")]  # fmt: skip
+KEYS = {"minimum": Fraction.__ge__, "exclusiveMinimum": Fraction.__gt__,
+        "maximum": Fraction.__le__, "exclusiveMaximum": Fraction.__lt__}  # fmt: skip
+
+
+def test_number_bounds_admit_only_decimals_between_them_and_all_of_those_at_integer_bounds():
+    rng = random.Random(1)
+    for _ in range(300):
+        node = {k: rng.choice([rng.randint(-5, 5), rng.randint(-50, 50) / 10])
+                for k in rng.sample(sorted(KEYS), rng.randint(1, 3))}  # fmt: skip
+        try:
+            accepts = _accepts({"type": "number", **node})
+        except ValueError as e:
+            assert "no number" in str(e)
+            continue
+        integral = all(isinstance(v, int) for v in node.values())
+        for text in NUMBERS:
+            inside = all(KEYS[k](Fraction(text), Fraction(str(v))) for k, v in node.items())
+            if accepts(text):
+                assert inside, (node, text)
+            elif integral and text != "-0":
+                assert not inside, (node, text)
+    accepts = _accepts({"type": "number", "minimum": 0, "maximum": 1})
+    assert all(map(accepts, ["0", "0.5", "1", "1.000"])) and not any(map(accepts, ["1.5", "-0.1"]))
+
+
+def test_a_string_pattern_is_matched_whole_and_kept_valid_json():
+    accepts = _accepts({"type": "string", "pattern": r"^[A-Z]{2}-\d{3}$"})
+    assert accepts('"AB-123"') and not accepts('"AB-1234"') and not accepts('"ab-123"')
+    accepts = _accepts({"type": "string", "pattern": "a.b"})  # "." takes what JSON escapes
+    for text in ('"axb"', r'"a\"b"', r'"a\\b"', r'"a\tb"', r'"a\u0001b"', r'"a\u001Fb"'):
+        assert accepts(text), text
+        assert json.loads(text)  # the pattern's output is a JSON string
+    for text in ('"a"b"', '"a\tb"', r'"a\nb"'):  # a raw quote or tab; "." is no newline
+        assert not accepts(text), text
+    assert _accepts({"type": "string", "pattern": r"cost\$"})('"cost$"')
+    with pytest.raises(ValueError, match="unbalanced"):  # it cannot close its own group
+        schema_regex({"type": "string", "pattern": "a)|(b"})
+
+
+@pytest.mark.parametrize(
+    ("fmt", "good", "bad"),
+    [
+        ("date-time", ["2024-01-31T12:00:00Z", "2024-02-29 23:59:60.5+05:30"],
+         ["2024-13-01T00:00:00Z", "2024-01-31"]),
+        ("date", ["1999-12-31"], ["1999-12-32", "99-12-31"]),
+        ("time", ["08:30:00Z"], ["8:30"]),
+        ("duration", ["P3DT4H", "P2W", "PT0.5S", "P1Y2M"], ["3D", "P", "PT", "P1DT"]),
+        ("email", ["a.b+c@example.co"], ["a@", "@b.c", "a b@c.d"]),
+        ("hostname", ["api.example.com"], ["-bad.com", "a..b"]),
+        ("ipv4", ["192.168.0.1"], ["256.1.1.1", "1.2.3"]),
+        ("ipv6", ["::1", "fe80::1:2", "1:2:3:4:5:6:7:8", "::", "1:2:3:4:5:6:7::"],
+         ["1:2:3:4:5:6:7:8:9", "1::2::3", "1:2:3:4::5:6:7:8"]),
+        ("uuid", ["123e4567-e89b-12d3-a456-426614174000"], ["123e4567"]),
+        ("uri", ["https://example.com/a?b=c#d"], ["example", "://x"]),
+    ],
+)  # fmt: skip
+def test_string_formats(fmt, good, bad):
+    pattern = schema_regex({"type": "string", "format": fmt})
+    constraint_nfa(pattern)
+    for text in good:
+        assert re.fullmatch(pattern, json.dumps(text)), text
+    for text in bad:
+        assert not re.fullmatch(pattern, json.dumps(text)), text
+
+
+def test_what_a_schema_leaves_free_is_any_json_nested_a_bounded_depth():
+    assert schema_regex({"type": "object"}) == json_object()
+    anything = _accepts({})
+    assert all(map(anything, ["1", '"x"', "null", '{"a": [1, 2]}', "[[1]]"]))
+    assert not anything('{"a": [[1]]}')
+    accepts = _accepts({"type": "object", "additionalProperties": {"type": "integer"}})
+    assert accepts('{"a": 1, "b":2}') and accepts("{}") and not accepts('{"a": "x"}')
+    accepts = _accepts({"type": "object", "properties": {"a": {"description": "free"},
+                        "b": {"type": "object"}, "c": {"type": "array"}}})  # fmt: skip
+    assert accepts('{"a": [1], "b": {"x": 1}, "c": [1, "z"]}')
+    assert not accepts('{"a": [[1]], "b": {}, "c": []}')  # one level inside a schema
+    assert _accepts({"type": "object", "properties": {}})("{}")  # a tool without parameters
+    assert not _accepts({"type": "object", "properties": {}})('{"a": 1}')
+
+
 @pytest.mark.parametrize(
     ("schema", "words"),
     [
-        ({"type": "string", "pattern": "a+"}, "'pattern'"),
-        ({}, "any value"),
-        ({"description": "x"}, "needs a type"),
         ({"type": "object", "properties": {"a": {"$ref": "#"}}}, "local references"),
         ({"$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}}}, "$ref": "#/$defs/n"},
          "recursive"),
-        ({"type": "array"}, "needs 'items'"),
+        ({"type": "string", "format": "credit-card"}, "format 'credit-card'"),
+        ({"type": "string", "pattern": "(?=a)"}, "lookaround"),
+        ({"type": "object", "patternProperties": {"a": {}}}, "patternProperties"),
         ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "allOf"),
         ({"type": "date"}, "unknown type"),
         ({"enum": 5}, "wrong type"),

@@ -2,10 +2,12 @@
 can constrain a generation to.
 
 Theory of operation: the schema is walked once and each node becomes a pattern for
-one JSON value of that shape; the output is a single value. Objects list every
-property of `properties` in order (required or not, as strict structured outputs
-ask), separated by "," or ", " and ":" or ": "; an object schema without `properties`
-is any object (its values of `additionalProperties`' schema where that is one).
+one JSON value of that shape; the output is a single value. Objects list the
+properties of `properties` in order, those not `required` optional (strict
+structured outputs require every one), separated by "," or ", " and ":" or ": " (no
+other whitespace: a model that writes JSON across lines is held to one line); an
+object schema without `properties` is any object (its values of
+`additionalProperties`' schema where that is one).
 Arrays take `items` repeated between `minItems` and `maxItems` (any values without
 `items`). Strings are JSON strings (escapes included) with `minLength`/`maxLength`
 counted in characters, or their `pattern` (a whole-string match: a leading ^ and a
@@ -13,19 +15,22 @@ trailing $ change nothing), or their `format` (date-time, date, time, duration,
 email, hostname, ipv4, ipv6, uuid, uri). Integers keep to `minimum`/`maximum` and
 their exclusive forms exactly; numbers too, in decimal notation, with bounds rounded
 to integers inward (so a bound of 0.5 admits 1 and up). `enum` and `const` are their
-JSON texts; `anyOf`/`oneOf` and type lists are alternatives; `$ref` to `#/$defs/...`
-or `#/definitions/...` is inlined. A node that says nothing about its value (`{}`,
-`true`, a description alone) is any JSON value. A regular language cannot count
+JSON texts; `anyOf`/`oneOf` and type lists are alternatives; `$ref` to `#`,
+`#/$defs/...` or `#/definitions/...` is inlined. A node that says nothing about its
+value (`{}`, `true`, a description alone) is any JSON value. A regular language cannot count
 brackets, so what is free nests a bounded number of objects or arrays: `json_object()`
 (any JSON object) holds values nesting JSON_OBJECT_DEPTH levels; a schema free from
 its top alike (`{}` is such a value, `{"type": "object"}` is `json_object()`); a free
 value or container inside a schema nests ANY_DEPTH levels, itself counted.
 
-Refused with a ValueError that names the keyword: recursive references,
-`patternProperties`, `allOf` of more than one schema, an unknown `format`, and
-anything nested deeper than MAX_DEPTH. Not enforced (the output is valid JSON of the
-right shape, but these are not checked): `multipleOf`, and `minLength`/`maxLength`
-beside a `pattern` or `format`.
+A reference (`#` for the whole schema) may recur: it is expanded MAX_RECURSION times
+inside itself, and below that only what can do without it is kept: a property that is
+not required is left out, an array with no `minItems` stays empty, an `anyOf` keeps
+its other branches. Refused with a ValueError that names the keyword: a recursion with
+no such way out, `patternProperties`, `allOf` of more than one schema, an unknown
+`format`, and anything nested deeper than MAX_DEPTH. Not enforced (the output is
+valid JSON of the right shape, but these are not checked): `multipleOf`, and
+`minLength`/`maxLength` beside a `pattern` or `format`.
 """
 
 from __future__ import annotations
@@ -34,9 +39,10 @@ import json
 import re
 from typing import Any
 
-MAX_DEPTH = 12
+MAX_DEPTH = 16
 JSON_OBJECT_DEPTH = 2
 ANY_DEPTH = 1
+MAX_RECURSION = 3  # a reference is expanded at most this many times inside itself
 MAX_DIGITS = 18  # integers and integer parts have at most this many digits
 _SPACE = "[ ]?"
 _STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
@@ -58,6 +64,12 @@ def _literal(value: Any) -> str:
 
 def _alt(parts: list[str]) -> str:
     return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
+
+
+def _alt_some(parts: list[str | None]) -> str | None:
+    """The alternatives that are not None; None if none is left."""
+    kept = [p for p in parts if p is not None]
+    return _alt(kept) if kept else None
 
 
 _DATE = r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"
@@ -207,7 +219,9 @@ class _Converter:
     def fail(self, why: str) -> ValueError:
         return ValueError(f"json_schema: {why}")
 
-    def value(self, node: Any, depth: int) -> str:
+    def value(self, node: Any, depth: int) -> str | None:
+        """The pattern of node's values; None where none fits within the recursion
+        bound (a reference entered MAX_RECURSION times already)."""
         if depth > MAX_DEPTH:
             raise self.fail(f"nested deeper than {MAX_DEPTH} levels")
         if node is True:
@@ -230,7 +244,7 @@ class _Converter:
             return _alt([_literal(v) for v in node["enum"]])
         for key in ("anyOf", "oneOf"):
             if key in node:
-                return _alt([self.value(n, depth + 1) for n in node[key]])
+                return _alt_some([self.value(n, depth + 1) for n in node[key]])
         types = node.get("type")
         if types is None:
             if "properties" in node or "additionalProperties" in node:
@@ -242,10 +256,10 @@ class _Converter:
             else:
                 return self.free(depth)
         if isinstance(types, list):
-            return _alt([self.typed({**node, "type": t}, t, depth) for t in types])
+            return _alt_some([self.typed({**node, "type": t}, t, depth) for t in types])
         return self.typed(node, types, depth)
 
-    def typed(self, node: dict, kind: str, depth: int) -> str:
+    def typed(self, node: dict, kind: str, depth: int) -> str | None:
         if kind == "object":
             return self.obj(node, depth)
         if kind == "array":
@@ -298,26 +312,34 @@ class _Converter:
         Nfa(body or "(?:)", param="json_schema pattern", max_states=100_000)
         return body
 
-    def obj(self, node: dict, depth: int) -> str:
+    def obj(self, node: dict, depth: int) -> str | None:
         if "properties" not in node:
             extra = node.get("additionalProperties", True)
             if extra is False:
                 return r"\{\}"
             free = extra is True or extra == {}
-            return _object_of(
-                self.free(depth, inside=True) if free else self.value(extra, depth + 1)
-            )
+            value = self.free(depth, inside=True) if free else self.value(extra, depth + 1)
+            return r"\{\}" if value is None else _object_of(value)
         props = node.get("properties") or {}
         if not isinstance(props, dict):
             raise self.fail("'properties' must be an object")
-        members = [_literal(name) + ":" + _SPACE + self.value(schema, depth + 1)
-                   for name, schema in props.items()]  # fmt: skip
-        return r"\{" + ("," + _SPACE).join(members) + r"\}"
+        required = set(node.get("required") or ())
+        members = []
+        for name, schema in props.items():
+            value = self.value(schema, depth + 1)
+            if value is None:  # past the recursion bound: left out where it may be
+                if name in required:
+                    return None
+                continue
+            members.append((_literal(name) + ":" + _SPACE + value, name in required))
+        return r"\{" + _members(members) + r"\}"
 
-    def array(self, node: dict, depth: int) -> str:
+    def array(self, node: dict, depth: int) -> str | None:
         items = node.get("items")
         item = self.free(depth, inside=True) if items is None else self.value(items, depth + 1)
         lo, hi = int(node.get("minItems", 0)), node.get("maxItems")
+        if item is None:
+            return r"\[\]" if lo == 0 else None
         rest_hi = "" if hi is None else str(max(int(hi) - 1, 0))
         more = f"(?:,{_SPACE}{item}){{{max(lo - 1, 0)},{rest_hi}}}"
         body = f"{item}{more}"
@@ -325,19 +347,25 @@ class _Converter:
             return r"\[\]"
         return r"\[" + (body if lo >= 1 else f"(?:{body})?") + r"\]"
 
-    def ref(self, ref: str, depth: int) -> str:
-        prefix = next((p for p in ("#/$defs/", "#/definitions/") if ref.startswith(p)), None)
-        if prefix is None:
-            raise self.fail(f"only local references (#/$defs/...) are supported, got {ref!r}")
-        if ref in self.refs:
-            raise self.fail(f"recursive reference {ref!r} is not supported")
-        defs = self.root.get(prefix[2:-1]) or {}
-        name = ref[len(prefix) :]
-        if name not in defs:
-            raise self.fail(f"reference {ref!r} names no definition")
+    def ref(self, ref: str, depth: int) -> str | None:
+        if ref == "#":
+            target = self.root
+        else:
+            prefix = next((p for p in ("#/$defs/", "#/definitions/") if ref.startswith(p)), None)
+            if prefix is None:
+                raise self.fail(
+                    f"only local references (#, #/$defs/...) are supported, got {ref!r}"
+                )
+            defs = self.root.get(prefix[2:-1]) or {}
+            name = ref[len(prefix) :]
+            if name not in defs:
+                raise self.fail(f"reference {ref!r} names no definition")
+            target = defs[name]
+        if self.refs.count(ref) >= MAX_RECURSION:
+            return None
         self.refs.append(ref)
         try:
-            return self.value(defs[name], depth + 1)
+            return self.value(target, depth + 1)
         finally:
             self.refs.pop()
 
@@ -352,9 +380,33 @@ def schema_regex(schema: dict | str) -> str:
     if not isinstance(schema, dict):
         raise ValueError("json_schema must be a JSON object")
     try:
-        return _Converter(schema).value(schema, 0)
+        pattern = _Converter(schema).value(schema, 0)
     except (TypeError, AttributeError, KeyError) as e:  # a keyword's value of the wrong kind
         raise ValueError(f"json_schema: a keyword has a value of the wrong type ({e})") from None
+    if pattern is None:
+        raise ValueError(f"json_schema: a recursive reference has no way to end within "
+                         f"{MAX_RECURSION} levels (an optional property, an empty array or "
+                         "another branch)")  # fmt: skip
+    return pattern
+
+
+def _members(members: list[tuple[str, bool]]) -> str:
+    """An object's members in order, each (pattern, required); one that is not required
+    may be left out. Alternatives say which member comes first (no comma before it),
+    up to the first required one."""
+    sep = "," + _SPACE
+
+    def rest(i: int) -> str:
+        return "".join(f"{sep}{m}" if req else f"(?:{sep}{m})?" for m, req in members[i:])
+
+    firsts = []
+    for k, (m, req) in enumerate(members):
+        firsts.append(m + rest(k + 1))
+        if req:
+            break
+    else:
+        firsts.append("")  # every member left out
+    return _alt(firsts)
 
 
 def _object_of(value: str) -> str:

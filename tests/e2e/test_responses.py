@@ -104,8 +104,9 @@ def test_a_json_schema_text_format_constrains_the_answer(client, model):
     parses with the schema's shape, and the response echoes the format."""
     import json
 
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                               "rainy": {"type": "boolean"}}}  # fmt: skip
+    schema = {"type": "object", "required": ["city", "rainy"],
+              "properties": {"city": {"type": "string", "maxLength": 20},
+                             "rainy": {"type": "boolean"}}}  # fmt: skip
     r = client.responses.create(
         model=model, input="The weather in Paris as JSON.", max_output_tokens=48,
         text={"format": {"type": "json_schema", "name": "weather", "schema": schema}},
@@ -126,7 +127,7 @@ def test_a_json_schema_text_format_constrains_the_answer(client, model):
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
          "input[0].content"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "string",
-                                                                          "pattern": "a"}}}},
+                                                                          "pattern": "(?=a)"}}}},
          "text"),
         ({"text": {"format": {"type": "xml"}}}, "text"),
         ({"input": []}, "input"),

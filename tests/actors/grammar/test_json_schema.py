@@ -14,7 +14,7 @@ from fractions import Fraction
 
 import pytest
 
-from shunter.actors.grammar.json_schema import json_object, schema_regex
+from shunter.actors.grammar.json_schema import MAX_RECURSION, json_object, schema_regex
 from shunter.actors.grammar.token_fsm import constraint_nfa
 
 SCHEMA = {
@@ -31,6 +31,7 @@ SCHEMA = {
             "anyOf": [{"type": "object", "properties": {"x": {"const": 1}}}, {"type": "null"}]
         },
     },
+    "required": ["name", "age", "score", "ok", "kind", "tags", "where"],
 }
 GOOD = {"name": "Bob \"B\" Smith", "age": -3, "score": 1.5e3, "ok": None, "kind": 3,
         "tags": ["a", "bc"], "where": {"x": 1}}  # fmt: skip
@@ -145,6 +146,46 @@ def test_string_formats(fmt, good, bad):
         assert not re.fullmatch(pattern, json.dumps(text)), text
 
 
+def test_properties_that_are_not_required_may_be_left_out_and_only_those():
+    schema = {"type": "object", "required": ["b"], "properties": {
+        "a": {"type": "integer"}, "b": {"type": "integer"}, "c": {"type": "integer"}}}  # fmt: skip
+    accepts = _accepts(schema)
+    for text in ('{"a": 1, "b": 2, "c": 3}', '{"b": 2}', '{"a": 1,"b": 2}', '{"b": 2, "c": 3}'):
+        assert accepts(text), text
+    for text in (
+        "{}",
+        '{"a": 1}',
+        '{"a": 1, "c": 3}',
+        '{"b": 2,}',
+        '{, "b": 2}',
+        '{"c": 3, "b": 2}',
+    ):
+        assert not accepts(text), text
+    accepts = _accepts({**schema, "required": []})
+    assert all(map(accepts, ["{}", '{"c": 3}', '{"a": 1, "c": 3}'])) and not accepts('{,"c": 3}')
+
+
+def test_recursive_references_unroll_a_bounded_number_of_levels():
+    tree = {"type": "object", "required": ["name", "children"], "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "children": {"type": "array", "items": {"$ref": "#"}}}}  # fmt: skip
+    accepts = _accepts(tree)
+    node = {"name": "leaf", "children": []}
+    for _ in range(MAX_RECURSION):
+        assert accepts(json.dumps(node))
+        node = {"name": "n", "children": [node, {"name": "x", "children": []}]}
+    assert accepts(json.dumps(node))  # the root, then MAX_RECURSION references
+    assert not accepts(json.dumps({"name": "n", "children": [node]}))
+    linked = {"$defs": {"Node": {"type": "object", "required": ["v", "next"], "properties": {
+        "v": {"type": "integer"},
+        "next": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]}}}},
+        "$ref": "#/$defs/Node"}  # fmt: skip
+    assert _accepts(linked)('{"v": 1, "next": {"v": 2, "next": null}}')
+    optional = {"type": "object", "required": ["v"],
+                "properties": {"v": {"type": "integer"}, "child": {"$ref": "#"}}}  # fmt: skip
+    assert _accepts(optional)('{"v": 1}') and _accepts(optional)('{"v": 1, "child": {"v": 2}}')
+
+
 def test_what_a_schema_leaves_free_is_any_json_nested_a_bounded_depth():
     assert schema_regex({"type": "object"}) == json_object()
     anything = _accepts({})
@@ -163,9 +204,11 @@ def test_what_a_schema_leaves_free_is_any_json_nested_a_bounded_depth():
 @pytest.mark.parametrize(
     ("schema", "words"),
     [
-        ({"type": "object", "properties": {"a": {"$ref": "#"}}}, "local references"),
-        ({"$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}}}, "$ref": "#/$defs/n"},
-         "recursive"),
+        ({"type": "object", "properties": {"a": {"$ref": "other.json#"}}}, "local references"),
+        ({"$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}, "minItems": 1}},
+          "$ref": "#/$defs/n"}, "no way to end"),
+        ({"type": "object", "required": ["c"], "properties": {"c": {"$ref": "#"}}},
+         "no way to end"),
         ({"type": "string", "format": "credit-card"}, "format 'credit-card'"),
         ({"type": "string", "pattern": "(?=a)"}, "lookaround"),
         ({"type": "object", "patternProperties": {"a": {}}}, "patternProperties"),

@@ -189,17 +189,19 @@ def check_model(requested: str | None, served: str) -> None:
 
 def constraint_regex(req: Any, fmt: Any = None, fmt_param: str = "response_format") -> str:
     """The regular expression a request's output must match whole: its `regex`, its
-    `json_schema` (SGLang's names), or its output format `fmt` (chat's response_format,
-    the Responses API's text.format, named `fmt_param`: json_schema or json_object);
-    "" when none. At most one may be given."""
+    `json_schema` or its `ebnf` grammar (SGLang's names), or its output format `fmt`
+    (chat's response_format, the Responses API's text.format, named `fmt_param`:
+    json_schema or json_object); "" when none. At most one may be given."""
+    from shunter.actors.grammar.ebnf import ebnf_regex
     from shunter.actors.grammar.json_schema import json_object, schema_regex
 
     if fmt is None:
         fmt = getattr(req, "response_format", None)
-    given = [n for n in ("regex", "json_schema") if getattr(req, n, None) is not None]
+    names = ("regex", "json_schema", "ebnf")
+    given = [n for n in names if getattr(req, n, None) is not None]
     if fmt is not None and fmt.type != "text":
         given.append(fmt_param)
-    _check(len(given) <= 1, f"give at most one of regex, json_schema, {fmt_param}; "
+    _check(len(given) <= 1, f"give at most one of regex, json_schema, ebnf, {fmt_param}; "
                             f"got {', '.join(given)}", given[-1] if given else None)  # fmt: skip
     if not given:
         return ""
@@ -210,6 +212,8 @@ def constraint_regex(req: Any, fmt: Any = None, fmt_param: str = "response_forma
             return req.regex
         if given[0] == "json_schema":
             return schema_regex(req.json_schema)
+        if given[0] == "ebnf":
+            return ebnf_regex(req.ebnf)
         if fmt.type == "json_object":
             return json_object()
         if fmt.type != "json_schema":
@@ -267,10 +271,9 @@ def sampling_from(
     req: SamplingFields, *, max_new_tokens: int, return_logprob: bool, top_logprobs_num: int
 ) -> SamplingParams:
     """OpenAI request -> SamplingParams, checking every range (seed is set per choice)."""
-    for name in ("ebnf", "structural_tag"):
-        if getattr(req, name, None) is not None:
-            raise bad_request(f"{name}: this grammar form is not supported (use regex or "
-                              "json_schema)", param=name)  # fmt: skip
+    if getattr(req, "structural_tag", None) is not None:
+        raise bad_request("structural_tag: this grammar form is not supported (use regex, "
+                          "json_schema or ebnf)", param="structural_tag")  # fmt: skip
     t = 1.0 if req.temperature is None else req.temperature
     _check(0.0 <= t <= 100.0, f"temperature must be between 0 and 100, got {t}", "temperature")
     top_p = 1.0 if req.top_p is None else req.top_p

@@ -23,8 +23,9 @@ brackets, so what is free nests a bounded number of objects or arrays: `json_obj
 its top alike (`{}` is such a value, `{"type": "object"}` is `json_object()`); a free
 value or container inside a schema nests ANY_DEPTH levels, itself counted.
 
-A reference (`#` for the whole schema) may recur: it is expanded MAX_RECURSION times
-inside itself, and below that only what can do without it is kept: a property that is
+A reference (`#` for the whole schema) may recur: it is expanded up to ebnf.py's
+MAX_RECURSION times inside itself (fewer where the automaton would pass the
+constraint's limit of states), and below that only what can do without it is kept: a property that is
 not required is left out, an array with no `minItems` stays empty, an `anyOf` keeps
 its other branches. Refused with a ValueError that names the keyword: a recursion with
 no such way out, `patternProperties`, `allOf` of more than one schema, an unknown
@@ -42,7 +43,6 @@ from typing import Any
 MAX_DEPTH = 16
 JSON_OBJECT_DEPTH = 2
 ANY_DEPTH = 1
-MAX_RECURSION = 3  # a reference is expanded at most this many times inside itself
 MAX_DIGITS = 18  # integers and integer parts have at most this many digits
 _SPACE = "[ ]?"
 _STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
@@ -212,16 +212,17 @@ def _numbers(lo: Bound | None, hi: Bound | None) -> str | None:
 
 
 class _Converter:
-    def __init__(self, root: dict) -> None:
+    def __init__(self, root: dict, max_recursion: int = 3) -> None:
         self.root = root
-        self.refs: list[str] = []
+        self.max_recursion = max_recursion
+        self.refs: list[str] = ["#"]  # the references being expanded; the root is "#"
 
     def fail(self, why: str) -> ValueError:
         return ValueError(f"json_schema: {why}")
 
     def value(self, node: Any, depth: int) -> str | None:
         """The pattern of node's values; None where none fits within the recursion
-        bound (a reference entered MAX_RECURSION times already)."""
+        bound (a reference already expanded max_recursion times inside itself)."""
         if depth > MAX_DEPTH:
             raise self.fail(f"nested deeper than {MAX_DEPTH} levels")
         if node is True:
@@ -361,7 +362,7 @@ class _Converter:
             if name not in defs:
                 raise self.fail(f"reference {ref!r} names no definition")
             target = defs[name]
-        if self.refs.count(ref) >= MAX_RECURSION:
+        if self.refs.count(ref) > self.max_recursion:
             return None
         self.refs.append(ref)
         try:
@@ -379,15 +380,17 @@ def schema_regex(schema: dict | str) -> str:
             raise ValueError(f"json_schema is not valid JSON: {e}") from None
     if not isinstance(schema, dict):
         raise ValueError("json_schema must be a JSON object")
-    try:
-        pattern = _Converter(schema).value(schema, 0)
-    except (TypeError, AttributeError, KeyError) as e:  # a keyword's value of the wrong kind
-        raise ValueError(f"json_schema: a keyword has a value of the wrong type ({e})") from None
-    if pattern is None:
-        raise ValueError(f"json_schema: a recursive reference has no way to end within "
-                         f"{MAX_RECURSION} levels (an optional property, an empty array or "
-                         "another branch)")  # fmt: skip
-    return pattern
+    from shunter.actors.grammar.ebnf import unroll
+
+    def write(levels: int) -> str | None:
+        try:
+            return _Converter(schema, levels).value(schema, 0)
+        except (TypeError, AttributeError, KeyError) as e:  # a keyword's value of the wrong kind
+            raise ValueError(
+                f"json_schema: a keyword has a value of the wrong type ({e})"
+            ) from None
+
+    return unroll(write, "json_schema")
 
 
 def _members(members: list[tuple[str, bool]]) -> str:

@@ -1,5 +1,5 @@
-"""Constrained decoding end to end on the real server and model: `regex` and
-`json_schema` (SGLang's /generate), `response_format` json_schema and json_object
+"""Constrained decoding end to end on the real server and model: `regex`,
+`json_schema` and `ebnf` (SGLang's /generate, and `ebnf` as an extra field of chat), `response_format` json_schema and json_object
 through the `openai` client; the output matches whole or parses, streamed or not; the
 forms that are not supported are 400s that name their parameter."""
 
@@ -95,12 +95,35 @@ def test_generate_json_schema_as_sglang_takes_it(server):
     assert set(json.loads(out["text"])) == set(PERSON["properties"])
 
 
+CAPITALS = """root ::= city | description
+city ::= "London" | "Paris" | "Berlin" | "Rome"
+description ::= city " is " status
+status ::= "the capital of " country
+country ::= "England" | "France" | "Germany" | "Italy"
+"""
+CAPITALS_RE = "(London|Paris|Berlin|Rome)( is the capital of (England|France|Germany|Italy))?"
+
+
+def test_generate_and_chat_with_an_ebnf_grammar_derive_a_sentence_of_it(server, client, model):
+    status, out = post(server, "/generate", {
+        "text": "The capital of France is", "sampling_params": {
+            "temperature": 0, "max_new_tokens": 32, "ebnf": CAPITALS}})  # fmt: skip
+    assert status == 200, out
+    assert re.fullmatch(CAPITALS_RE, out["text"]), out["text"]
+    r = client.chat.completions.create(
+        model=model, temperature=1.0, seed=4, max_tokens=32, extra_body={"ebnf": CAPITALS},
+        messages=[{"role": "user", "content": "Name a European capital."}])  # fmt: skip
+    assert re.fullmatch(CAPITALS_RE, r.choices[0].message.content), r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+
+
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
         ({"regex": "a(?=b)"}, None, "lookaround"),
         ({"json_schema": {"type": "string", "pattern": "a(?=b)"}}, "json_schema", "lookaround"),
-        ({"ebnf": "root ::= 'a'"}, "ebnf", "not supported"),
+        ({"ebnf": "root ::= 'a' b"}, "ebnf", "not defined"),
+        ({"structural_tag": {"type": "structural_tag"}}, "structural_tag", "not supported"),
         ({"regex": "a", "json_schema": {"type": "integer"}}, "json_schema", "at most one"),
         ({"response_format": {"type": "xml"}}, "response_format", "xml"),
     ],

@@ -14,7 +14,8 @@ from fractions import Fraction
 
 import pytest
 
-from shunter.actors.grammar.json_schema import MAX_RECURSION, json_object, schema_regex
+from shunter.actors.grammar.ebnf import MAX_RECURSION
+from shunter.actors.grammar.json_schema import json_object, schema_regex
 from shunter.actors.grammar.token_fsm import constraint_nfa
 
 SCHEMA = {

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-EVICTION_POLICIES = ("lru",)
+EVICTION_POLICIES = ("lru", "lfu")
 
 
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -23,8 +23,9 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     """No prefix sharing: matches are always empty and released pages are freed."""
 
     eviction_policy: str = "lru"
-    """Which unlocked leaves go first when leases need pages. Only "lru" for now; time
-    is a logical counter advanced once per handled message, never a clock."""
+    """Which unlocked leaves go first when leases need pages: "lru" (least recently
+    matched) or "lfu" (fewest matches, then least recent). Time is a logical counter
+    advanced once per handled message, never a clock."""
 
     emit_kv_events: bool = True
     """Publish BlockStored / BlockRemoved / AllBlocksCleared (this also computes the

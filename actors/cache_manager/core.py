@@ -123,7 +123,8 @@ class CacheManagerCore:
         self.config = config
         self.page_size = config.page_size
         self.ledger = PageLedger(config.num_pages)
-        self.tree = RadixTree(config.page_size, hash_blocks=config.emit_kv_events)
+        self.tree = RadixTree(config.page_size, hash_blocks=config.emit_kv_events,
+                              eviction_policy=config.eviction_policy)  # fmt: skip
         self.requests: dict[str, _Request] = {}
         self._aside_owner = self.ledger.aside_owner
         self._leases_in_flight: dict[int, int] = {}  # lease_seq -> pages granted

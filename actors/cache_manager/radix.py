@@ -10,7 +10,9 @@ Theory of operation
     leaf for the part not yet cached, so the tree never holds two pages for one
     position. Locks are reference counts on every node from the locked node up to (not
     including) the root. Eviction pops unlocked leaves in LRU order of `last_access`, a
-    logical time the owner sets (`now`), never a clock; ties go to the older node id.
+    logical time the owner sets (`now`), never a clock, ties to the older node id; or,
+    with the "lfu" policy, fewest `hit_count` first (matches through the node, counted
+    from its insert), then as LRU.
 
     Each page also gets a block hash: a chain over page token ids (blake2b of the parent
     hash and the page's ids, truncated to a signed int64; the first page of a namespace
@@ -47,6 +49,7 @@ class Node:
     __slots__ = (
         "children",
         "hashes",
+        "hit_count",
         "key",
         "last_access",
         "lock_ref",
@@ -66,6 +69,7 @@ class Node:
         self.children: dict[int | tuple[int, ...], Node] = {}
         self.lock_ref = 0
         self.last_access = 0
+        self.hit_count = 0  # matches that reached through it, and its own insert
 
     @property
     def is_root(self) -> bool:
@@ -94,10 +98,14 @@ class EvictedBlock(NamedTuple):
 
 
 class RadixTree:
-    def __init__(self, page_size: int = 1, hash_blocks: bool = True) -> None:
+    def __init__(self, page_size: int = 1, hash_blocks: bool = True,
+                 eviction_policy: str = "lru") -> None:  # fmt: skip
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if eviction_policy not in ("lru", "lfu"):
+            raise ValueError(f"eviction_policy must be lru or lfu, got {eviction_policy!r}")
         self.page_size = page_size
+        self.eviction_policy = eviction_policy
         self.hash_blocks = hash_blocks
         self.now = 0  # logical time stamped on touched nodes; set by the owner
         self.version = 0  # inserts that added tokens, plus one per clear()
@@ -163,11 +171,13 @@ class RadixTree:
             if m < len(child.key):
                 if not split:
                     child.last_access = now
+                    child.hit_count += 1
                     pages += child.pages[: m // ps]
                     pos += m
                     break
                 child = self._split(child, m)
             child.last_access = now
+            child.hit_count += 1
             pages += child.pages
             pos += m
             node = child
@@ -195,6 +205,7 @@ class RadixTree:
         head.hashes, child.hashes = child.hashes[:k], child.hashes[k:]
         head.lock_ref = child.lock_ref
         head.last_access = child.last_access
+        head.hit_count = child.hit_count
         if head.lock_ref:
             self.num_locked_nodes += 1
         parent.children[self._child_key(head.key, 0)] = head
@@ -220,6 +231,7 @@ class RadixTree:
         leaf.key = tokens[found.num_tokens :]
         leaf.pages = pages[found.num_tokens // ps :]
         leaf.last_access = self.now
+        leaf.hit_count = 1
         if self.hash_blocks:
             prev = parent.hashes[-1] if parent.hashes else None
             for i in range(0, len(leaf.key), ps):
@@ -252,15 +264,21 @@ class RadixTree:
     def evictable_pages(self) -> int:
         return self.num_pages - self.num_locked_pages
 
+    def _evict_key(self, n: Node) -> tuple:
+        if self.eviction_policy == "lfu":
+            return (n.hit_count, n.last_access, n.node_id, n)
+        return (n.last_access, n.node_id, n)
+
     def evict(self, num_pages: int) -> list[EvictedBlock]:
-        """Remove unlocked leaves, least recently used first, until at least num_pages
-        pages came out or nothing unlocked is left. Whole nodes go."""
-        heap = [(n.last_access, n.node_id, n) for n in self.leaves if n.lock_ref == 0]
+        """Remove unlocked leaves until at least num_pages pages came out or nothing
+        unlocked is left, least recently used first ("lru"), or least often hit first,
+        then least recently ("lfu"). Whole nodes go."""
+        heap = [self._evict_key(n) for n in self.leaves if n.lock_ref == 0]
         heapq.heapify(heap)
         out: list[EvictedBlock] = []
         freed = 0
         while freed < num_pages and heap:
-            _, _, leaf = heapq.heappop(heap)
+            leaf = heapq.heappop(heap)[-1]
             parent = leaf.parent
             assert parent is not None and not leaf.children and leaf.lock_ref == 0
             del parent.children[self._child_key(leaf.key, 0)]
@@ -271,7 +289,7 @@ class RadixTree:
             if parent.parent is not None and not parent.children:
                 self.leaves.add(parent)
                 if parent.lock_ref == 0:
-                    heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
+                    heapq.heappush(heap, self._evict_key(parent))
             elif parent.parent is None and not parent.children and parent.namespace:
                 del self.roots[parent.namespace]  # empty namespace: forget its root
         return out

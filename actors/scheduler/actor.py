@@ -39,6 +39,7 @@ from shunter.actors.scheduler.config import SchedulerConfig
 from shunter.actors.scheduler.core import INBOX_TYPES, SchedulerCore
 from shunter.bus.messages import (
     AbortRequest,
+    ForwardBatch,
     HealthPing,
     HealthPong,
     Msg,
@@ -84,6 +85,7 @@ async def run(
         log.info("ready", policy=config.schedule_policy, page_size=config.page_size)
         task_status.started(core)
         tg.start_soon(_tick, bus, tick_interval_s)
+        decode_log = _DecodeLog(config.decode_log_interval, log)
         async for received in sub:
             msg = received.msg
             if isinstance(msg, HealthPing):
@@ -93,11 +95,39 @@ async def run(
             if isinstance(msg, Shutdown) and msg.drain_timeout_s > 0:
                 tg.start_soon(_abort_after, bus, core, msg.drain_timeout_s)
             for out in core.handle(msg):
+                if isinstance(out, ForwardBatch):
+                    decode_log.step(core)
                 if isinstance(out, RequestFailed):
                     log.warning("request failed", request_id=out.request_id, code=out.code,
                                 detail=out.message)  # fmt: skip
                 await bus.publish(out)
         tg.cancel_scope.cancel()
+
+
+class _DecodeLog:
+    """--decode-log-interval: every `interval` batches a line with the running and
+    queued requests, the KV pages in use and the tokens generated per second since the
+    last line (the shell's clock; the core keeps none)."""
+
+    def __init__(self, interval: int, log) -> None:
+        self.interval = interval
+        self.log = log
+        self.num_batches = 0
+        self.last = (time.monotonic(), 0)
+
+    def step(self, core: SchedulerCore) -> None:
+        self.num_batches += 1
+        if not self.interval or self.num_batches % self.interval:
+            return
+        s = core.statistics()
+        now, generated = time.monotonic(), s.num_generated_tokens
+        t0, g0 = self.last
+        self.last = (now, generated)
+        total = core.config.num_total_pages
+        used = s.num_held_pages + sum(r.num_tree_pages for r in core.running.values())
+        self.log.info("decode batch", running=s.num_running, queued=s.num_waiting + s.num_retracted,
+                      token_usage=round(used / total, 3) if total else None,
+                      gen_tok_s=round((generated - g0) / (now - t0), 1) if now > t0 else None)  # fmt: skip
 
 
 async def _tick(bus: Bus, interval_s: float) -> None:

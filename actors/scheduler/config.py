@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "priority", "lof", "random")
+RETRACTION_POLICIES = ("length", "priority")
 
 
 INIT_NEW_TOKEN_RATIO = 0.7  # SGLang's defaults
@@ -89,6 +90,20 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """Shortest shared uncached prefix that defers a request (see above)."""
     max_tombstones: int = 4096
     """Recently aborted unknown request ids remembered (an abort that overtook its Matched)."""
+    prefill_max_requests: int | None = None
+    """Most requests with prefill work in one step (a chunked prefill that continues
+    counts); None: bounded by the token budgets only (SGLang's --prefill-max-requests)."""
+    retraction_policy: str = "length"
+    """Which running requests KV pressure retracts first: "length", fewest output tokens
+    then the longest prompt (the least decoding lost); "priority", lowest priority
+    first, then as "length"."""
+    decode_log_interval: int = 0
+    """The shell logs the decode batch every this many steps (0: never); the core does
+    not read it."""
+    priority_preemption_threshold: int | None = None
+    """With the priority policy: a waiting request that finds no free slot retracts the
+    lowest-priority running request when its priority is higher by at least this much
+    (SGLang's --priority-scheduling-preemption-threshold). None: no preemption."""
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "max_prefill_tokens", "page_size",
@@ -130,6 +145,19 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             raise ValueError("priority_aging_per_s: must be >= 0")
         if not 0 <= self.seed < 2**64:
             raise ValueError("seed: must be in [0, 2**64)")
+        if self.decode_log_interval < 0:
+            raise ValueError(f"decode_log_interval: must be >= 0, got {self.decode_log_interval}")
+        if self.prefill_max_requests is not None and self.prefill_max_requests < 1:
+            raise ValueError(f"prefill_max_requests: must be >= 1, got {self.prefill_max_requests}")
+        if self.retraction_policy not in RETRACTION_POLICIES:
+            raise ValueError(
+                f"retraction_policy: {self.retraction_policy!r} is not one of {RETRACTION_POLICIES}"
+            )
+        if (
+            self.priority_preemption_threshold is not None
+            and self.priority_preemption_threshold < 0
+        ):
+            raise ValueError("priority_preemption_threshold: must be >= 0")
 
     @property
     def chunk_tokens(self) -> int | None:
@@ -200,6 +228,15 @@ def from_server_args(
         max_batches_in_flight=1 if getattr(args, "disable_overlap_schedule", False) else 2,
         init_new_token_ratio=init_ratio,
         min_new_token_ratio=min_ratio,
+        prefill_max_requests=getattr(args, "prefill_max_requests", None),
+        decode_log_interval=getattr(args, "decode_log_interval", 0),
+        retraction_policy=getattr(args, "retraction_policy", "length"),
     )
+    if getattr(args, "enable_priority_scheduling", False):
+        # SGLang's switch: priority order, with preemption past the threshold
+        fields["schedule_policy"] = "priority"
+        fields["priority_preemption_threshold"] = int(
+            getattr(args, "priority_scheduling_preemption_threshold", 10)
+        )
     fields.update(overrides)
     return SchedulerConfig(**fields)

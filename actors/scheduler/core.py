@@ -149,7 +149,7 @@ class SchedulerCore:
         self._n = dict.fromkeys(
             ("retractions", "parked", "refreshes", "chunks", "finished", "aborted", "failed",
              "prefill_tokens", "generated", "unexpected", "prompt_tokens", "cached_tokens",
-             "in_batch_deferred"),
+             "in_batch_deferred", "preemptions"),
             0,
         )  # fmt: skip
 

@@ -30,6 +30,13 @@ def plan_step(core: SchedulerCore, out: list[Msg]) -> ForwardBatch | None:
         for req in list(core.running.values()):
             pressure.retract(core, req, out)
         core.retract_all_pending = False
+    if core.waiting and not core.paused_by and not core.draining:
+        victim = pressure.preemption_victim(core)
+        if victim is not None:
+            if core.in_flight:
+                return None  # its pages are written by a batch in flight: wait for it
+            pressure.retract(core, victim, out)
+            core._n["preemptions"] += 1
 
     decodes: list[Req] = []
     prefilling: list[Req] = []
@@ -132,6 +139,8 @@ def _admit(
         for r in core.running.values():
             rem_total -= len(r.pages) * ps + ratio * min(r.remaining_new_tokens(), clip)
     num_slots = min(cfg.max_running_requests - len(core.running), core.rows.num_free)
+    if cfg.prefill_max_requests is not None:  # the prefills continuing count too
+        num_slots = min(num_slots, cfg.prefill_max_requests - len(builder))
     order = core.order.order(core.waiting.values(), core.now_ns)
     sharers: _Sharers | None = None  # made on the first candidate (a decode step has none)
     stop_at = len(order)  # first candidate left for a later step
@@ -363,6 +372,8 @@ def lease_ahead(core: SchedulerCore, req: Req, out: list[Msg]) -> None:
     arrival, so a burst of arrivals costs no sorting."""
     cfg = core.config
     num_slots = min(cfg.max_running_requests - len(core.running), core.rows.num_free)
+    if cfg.prefill_max_requests is not None:
+        num_slots = min(num_slots, cfg.prefill_max_requests)
     if len(core.waiting) > num_slots or core.paused_by or core.draining:
         return
     if core.ahead_tokens >= cfg.max_prefill_tokens:

@@ -4,9 +4,15 @@ When the pages the next step needs cannot be had (the pool is short and the cach
 manager's last grant was short since our last release), pages are freed in order of
 least work lost: park waiting requests (release their matches: no computation is lost),
 else retract running requests (fewest output tokens first, then the longest prompt, as
-SGLang), else end a lone request that still cannot grow. All of it happens only when no
-batch is in flight (a request's pages are never released while a batch writes them).
-Parked requests return (Tokenized to the cache manager again) once the pressure passed.
+SGLang; with retraction_policy "priority" the lowest priority first), else end a lone
+request that still cannot grow. All of it happens only when no batch is in flight (a
+request's pages are never released while a batch writes them). Parked requests return
+(Tokenized to the cache manager again) once the pressure passed.
+
+Priority preemption (priority_preemption_threshold): when every slot is taken and the
+highest-priority waiting request outranks the lowest-priority running one by at least
+the threshold, that running request is retracted (once nothing is in flight) and the
+waiting one takes its slot.
 """
 
 from __future__ import annotations
@@ -20,6 +26,30 @@ from shunter.bus.messages import FinishReason, Msg, Tokenized
 
 if TYPE_CHECKING:
     from shunter.actors.scheduler.core import SchedulerCore
+
+
+def victim_order(core: SchedulerCore):
+    """Sort key of running requests, the first to retract first (module docstring)."""
+    if core.config.retraction_policy == "priority":
+        return lambda r: (r.priority, r.num_output, -r.num_prompt)
+    return lambda r: (r.num_output, -r.num_prompt)
+
+
+def preemption_victim(core: SchedulerCore) -> Req | None:
+    """The running request a waiting one of higher priority should take the slot of,
+    or None (module docstring)."""
+    cfg = core.config
+    threshold = cfg.priority_preemption_threshold
+    if threshold is None or cfg.schedule_policy != "priority" or not core.running:
+        return None
+    if len(core.running) < cfg.max_running_requests and core.rows.num_free > 0:
+        return None
+    waiting = [r for r in core.waiting.values() if not r.awaiting_match]
+    if not waiting:
+        return None
+    best = max(r.priority for r in waiting)
+    victim = min(core.running.values(), key=lambda r: (r.priority, r.num_output, -r.num_prompt))
+    return victim if best - victim.priority >= threshold else None
 
 
 def retract(core: SchedulerCore, req: Req, out: list[Msg]) -> None:
@@ -99,7 +129,7 @@ def unstall(core: SchedulerCore, out: list[Msg]) -> None:
     if len(running) == 1:
         _abort_lone(core, running[0], out)
         return
-    victim = min(running, key=lambda r: (r.num_output, -r.num_prompt))
+    victim = min(running, key=victim_order(core))
     retract(core, victim, out)
     _raise_ratio(core)
 
@@ -142,7 +172,7 @@ def retract_for(
     longest prompt (SGLang's order: the least decoding work is lost)."""
     cfg = core.config
     ps = cfg.page_size
-    victims = sorted(prefilling + decodes, key=lambda r: (r.num_output, -r.num_prompt))
+    victims = sorted(prefilling + decodes, key=victim_order(core))
     if len(victims) == 1:
         # One request alone cannot grow even after the cache was asked since our last
         # release (the rest of the pool is locked by matches): end it rather than stall.

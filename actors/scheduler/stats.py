@@ -36,6 +36,7 @@ class SchedulerStatistics(msgspec.Struct, frozen=True):
     new_token_ratio: float
     admission_paused: bool
     version: int
+    num_preemptions: int = 0  # running requests retracted for a waiting one of higher priority
 
 
 def on_tick(core: SchedulerCore, tick: Tick, out: list[Msg]) -> None:
@@ -74,6 +75,7 @@ def statistics(core: SchedulerCore) -> SchedulerStatistics:
         num_lease_requests=core.pool.num_requests,
         num_retractions=n["retractions"],
         num_parked=n["parked"],
+        num_preemptions=n["preemptions"],
         num_refreshes=n["refreshes"],
         num_in_batch_deferred=n["in_batch_deferred"],
         num_chunks_cached=n["chunks"],

@@ -333,7 +333,7 @@ def test_config_validation_and_info_round_trip():
     for kw, match in [
         ({"num_pages": 0}, "num_pages"),
         ({"num_pages": 4, "page_size": 0}, "page_size"),
-        ({"num_pages": 4, "eviction_policy": "lfu"}, "eviction_policy"),
+        ({"num_pages": 4, "eviction_policy": "slru"}, "eviction_policy"),
     ]:
         with pytest.raises(ValueError, match=match):
             CacheConfig(**kw)

@@ -1,4 +1,4 @@
-"""Radix tree: splits, dedupe, page alignment, namespaces, LRU, block hashes."""
+"""Radix tree: splits, dedupe, page alignment, namespaces, LRU and LFU, block hashes."""
 
 from __future__ import annotations
 
@@ -102,6 +102,22 @@ def test_lru_eviction_order_and_locks():
     t.unlock(c)
     assert t.evict(10)[0].pages == [4, 5] and t.num_pages == 0
     assert a.parent is not None and b.parent is not None
+
+
+def test_lfu_eviction_takes_the_least_often_matched_first_then_the_least_recent():
+    t = RadixTree(eviction_policy="lfu")
+    for now, tokens in enumerate(([1, 1], [2, 2], [3, 3]), start=1):
+        t.now = now
+        t.insert("", tokens, [10 * now, 10 * now + 1])
+    t.now = 4
+    for _ in range(3):
+        t.match("", [1, 1])  # the oldest, matched most: it stays longest
+    t.match("", [3, 3])
+    assert [e.pages for e in t.evict(1)] == [[20, 21]]  # [2, 2]: one hit (its insert)
+    assert [e.pages for e in t.evict(1)] == [[30, 31]]  # [3, 3]: two hits
+    assert [e.pages for e in t.evict(1)] == [[10, 11]]
+    with pytest.raises(ValueError, match="eviction_policy"):
+        RadixTree(eviction_policy="slru")
 
 
 def test_evicting_a_leaf_exposes_its_parent():

@@ -249,3 +249,83 @@ def test_overlap_abort_waits_for_every_batch_in_flight():
     assert not of(f.step(b1), SequenceReleased)
     (rel,) = of(f.step(b2), SequenceReleased)
     assert rel.reason == "aborted" and rel.token_ids == [0, 1, 2, 7]
+
+
+def test_retraction_policy_priority_retracts_the_lowest_priority_first():
+    f = Feeder(page_size=1, lease_lookahead_steps=1, lease_max_surplus_pages=0,
+               retraction_policy="priority")  # fmt: skip
+    f.send(FlipBegin("hold", "x"))
+    f.send(matched("old", range(8), max_new=50, priority=1))
+    f.send(matched("new", range(10, 26), max_new=50, priority=5))
+    b = f.batch(f.send(FlipDone("hold", 0, True)))
+    b = f.batch(f.step(b))
+    f.grant_queue = [0]
+    b = f.batch(f.step(b))
+    rel = of(f.step(b), SequenceReleased)
+    # "length" would take "new" (the longer prompt, as above); priority takes "old"
+    assert [r.request_id for r in rel] == ["old"] and rel[0].reason == "retracted"
+
+
+def test_prefill_max_requests_bounds_the_requests_prefilled_in_one_step():
+    f = Feeder(prefill_max_requests=2, max_running_requests=8)
+    f.send(FlipBegin("hold", "x"))
+    for k in range(5):
+        f.send(matched(f"r{k}", range(10 * k, 10 * k + 6), max_new=3))
+    b = f.batch(f.send(FlipDone("hold", 0, True)))
+    steps = [admitted(b)]
+    while sum(map(len, steps)) < 5:
+        b = f.batch(f.step(b))
+        steps.append(admitted(b))
+    assert steps[0] == ["r0", "r1"] and max(map(len, steps)) == 2
+    assert [r for s in steps for r in s] == [f"r{k}" for k in range(5)]
+
+
+def test_a_higher_priority_arrival_preempts_the_lowest_priority_running_request():
+    f = Feeder(schedule_policy="priority", max_running_requests=2, priority_aging_per_s=0.0,
+               priority_preemption_threshold=10)  # fmt: skip
+    b = f.batch(f.send(matched("a", range(6), max_new=20, priority=0)))
+    f.send(matched("b", range(10, 16), max_new=20, priority=5))
+    b = f.batch(f.step(b))
+    assert set(f.core.running) == {"a", "b"}
+    f.send(matched("near", range(20, 26), max_new=20, priority=9))  # 9 above a: it waits
+    out = f.step(b)
+    for _ in range(2):
+        assert not of(out, SequenceReleased)
+        out = f.step(f.batch(out))
+    f.send(matched("vip", range(30, 36), max_new=20, priority=30))
+    for _ in range(3):
+        out = f.step(f.batch(out))
+        if of(out, SequenceReleased):
+            break
+    (rel,) = of(out, SequenceReleased)
+    assert rel.request_id == "a" and rel.reason == "retracted"
+    assert f.core.statistics().num_preemptions == 1
+    b = f.batch(out)
+    assert admitted(b) == ["vip"] and set(f.core.running) == {"b", "vip"}
+
+
+def test_the_decode_log_writes_a_line_every_interval_batches():
+    from shunter.actors.scheduler.actor import _DecodeLog
+
+    class Lines:
+        def __init__(self):
+            self.got = []
+
+        def info(self, event, **kw):
+            self.got.append((event, kw))
+
+    f = Feeder(num_total_pages=64)
+    lines = Lines()
+    log = _DecodeLog(3, lines)
+    b = f.batch(f.send(matched("a", range(6), max_new=20)))
+    for _ in range(7):
+        log.step(f.core)
+        b = f.batch(f.step(b))
+    assert [e for e, _ in lines.got] == ["decode batch"] * 2
+    kw = lines.got[-1][1]
+    assert kw["running"] == 1 and kw["queued"] == 0 and 0 < kw["token_usage"] <= 1
+    assert kw["gen_tok_s"] is None or kw["gen_tok_s"] > 0
+    silent = Lines()
+    for _ in range(5):
+        _DecodeLog(0, silent).step(f.core)
+    assert not silent.got

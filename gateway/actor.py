@@ -21,6 +21,7 @@ from __future__ import annotations
 import anyio
 import structlog
 from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
 
 from shunter.bus.messages import Ready
 from shunter.bus.transport import Bus
@@ -32,6 +33,25 @@ from shunter.gateway.metrics import Metrics
 __all__ = ["GatewayConfig", "run"]
 
 log = structlog.get_logger(actor="gateway")
+_LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
+
+
+class _AccessLog(AbstractAccessLogger):
+    """One structured line per HTTP request, at --log-level-http's level."""
+
+    level = 20
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        log.log(self.level, "http", method=request.method, path=request.path,
+                status=response.status, ms=round(time * 1000, 2), remote=request.remote)  # fmt: skip
+
+
+def _access_log(level: str | None) -> dict:
+    """AppRunner's access-log keywords for --log-level-http (None: no access log)."""
+    if level is None:
+        return {"access_log": None}
+    cls = type("AccessLog", (_AccessLog,), {"level": _LEVELS[level]})
+    return {"access_log_class": cls}
 
 
 async def run(
@@ -48,7 +68,7 @@ async def run(
     metrics = Metrics(config.served_model_name)
     engine = Engine(bus, config, metrics)
     app = build_app(Ctx(config, engine, metrics))
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, **_access_log(config.log_level_http))
     async with anyio.create_task_group() as tg:
         await tg.start(engine.listen)
         await runner.setup()

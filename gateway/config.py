@@ -38,6 +38,9 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_context_len: int = 8192
     """The model's context length (prompt + output), for /v1/models and early checks."""
 
+    log_level_http: str | None = None
+    """--log-level-http: log one access line per HTTP request at this level; None: none."""
+
     max_n: int = 64
     """Largest `n` (choices per prompt) accepted."""
 

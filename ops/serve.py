@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 import tempfile
@@ -177,6 +178,8 @@ def build_config(spec: ActorSpec, a: ServerArgs, ready: Mapping[str, Ready], see
                 decode_attention_backend=a.decode_attention_backend,
                 disable_cuda_graph=a.disable_cuda_graph, load_progress=console_logs(a),
                 skip_server_warmup=a.skip_server_warmup,
+                cuda_graph_bs=tuple(a.cuda_graph_bs) if a.cuda_graph_bs else None,
+                model_overrides=json.loads(a.json_model_override_args or "{}"),
             )  # fmt: skip
         case "tokenizer":
             from shunter.actors.tokenizer.config import TokenizerConfig
@@ -190,7 +193,8 @@ def build_config(spec: ActorSpec, a: ServerArgs, ready: Mapping[str, Ready], see
             return TokenizerConfig(
                 actor_id=spec.actor_id, model_path=a.model_path, tokenizer_path=a.tokenizer_path,
                 chat_template=a.chat_template, stream_interval=a.stream_interval,
-                non_stream_interval=max(a.stream_interval, 32), **facts,
+                non_stream_interval=max(a.stream_interval, 32),
+                allow_auto_truncate=a.allow_auto_truncate, **facts,
             )  # fmt: skip
         case "cache":
             from shunter.actors.cache_manager.config import CacheConfig
@@ -199,6 +203,7 @@ def build_config(spec: ActorSpec, a: ServerArgs, ready: Mapping[str, Ready], see
             return CacheConfig(
                 actor_id=spec.actor_id, num_pages=facts["num_pages"],
                 page_size=facts["page_size"], disable_radix_cache=a.disable_radix_cache,
+                eviction_policy=a.radix_eviction_policy,
             )  # fmt: skip
         case "scheduler":
             from shunter.actors.scheduler.config import from_server_args
@@ -222,7 +227,7 @@ def build_config(spec: ActorSpec, a: ServerArgs, ready: Mapping[str, Ready], see
             return GatewayConfig(
                 actor_id=spec.actor_id, host=a.host, port=a.port, api_key=a.api_key,
                 admin_api_key=a.admin_api_key, enable_metrics=a.enable_metrics,
-                log_requests=a.log_requests,
+                log_requests=a.log_requests, log_level_http=a.log_level_http,
                 served_model_name=a.served_model_name or source.name, model_path=source.path,
                 tool_call_parser=a.tool_call_parser,
                 tokenizer_path=a.tokenizer_path or source.path,

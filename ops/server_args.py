@@ -23,6 +23,7 @@ Invariants
 
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Any
 
@@ -43,6 +44,8 @@ LOG_FORMATS = ("auto", "console", "json")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 DECODE_ATTENTION_BACKENDS = ("auto", "triton", "flashinfer")
 WEIGHT_FORMATS = ("none", "bf16", "int8", "int4")
+RETRACTION_POLICIES = ("length", "priority")
+RADIX_EVICTION_POLICIES = ("lru", "lfu")
 
 
 class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -71,6 +74,10 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     revision: str | None = None  # accepted for compatibility: COMPAT_ONLY
     tokenizer_mode: str = "auto"
     skip_tokenizer_init: bool = False
+    json_model_override_args: str | None = None
+    """A JSON object of config.json keys (or model config fields) to override."""
+    allow_auto_truncate: bool = False
+    """Cut prompts as long as the context (keeping their start) instead of a 400."""
 
     # server
     host: str = "127.0.0.1"
@@ -93,6 +100,11 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     schedule_conservativeness: float = 1.0
     """Scales the new-token reservation of admission (SGLang's init/min new token ratios)."""
     enable_mixed_chunk: bool = False  # accepted for compatibility: COMPAT_ONLY
+    prefill_max_requests: int | None = None
+    retraction_policy: str = "length"
+    enable_priority_scheduling: bool = False
+    priority_scheduling_preemption_threshold: int = 10
+    radix_eviction_policy: str = "lru"
 
     # memory
     max_total_tokens: int | None = None
@@ -100,6 +112,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     page_size: int = 1
     kv_cache_dtype: str = "auto"
     cuda_graph_max_bs: int | None = None
+    cuda_graph_bs: list[int] | None = None
     disable_cuda_graph: bool = False
     skip_server_warmup: bool = False
     attention_backend: str = "auto"
@@ -123,6 +136,11 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """auto: console lines on a terminal, JSON lines otherwise."""
     log_requests: bool = False
     """Log every finished request at info level (ids, token counts, finish reason)."""
+    log_level_http: str | None = None
+    """Level of the HTTP access log lines; None: no access log."""
+    decode_log_interval: int = 40
+    """Log the decode batch (running, queued, token usage, throughput) every this many
+    steps; 0: never."""
     enable_cache_report: bool = False  # accepted for compatibility: COMPAT_ONLY
     record_events: str | None = None
     """A directory: the bus recorder writes every message there."""
@@ -195,6 +213,10 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("tokenizer_mode", ("--tokenizer-mode",), "model", "the HF fast tokenizer"),
     ("skip_tokenizer_init", ("--skip-tokenizer-init",), "model",
      "load no tokenizer: prompts are input_ids, outputs output_ids with empty text"),
+    ("json_model_override_args", ("--json-model-override-args",), "model",
+     "JSON object of config.json keys to override, e.g. '{\"num_hidden_layers\": 2}'"),
+    ("allow_auto_truncate", ("--allow-auto-truncate",), "model",
+     "cut a prompt as long as the context to its first context-1 tokens instead of a 400"),
 
     ("host", ("--host",), "server", "address to listen on"),
     ("port", ("--port",), "server", "HTTP port"),
@@ -218,12 +240,26 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
      "scales the output tokens admission reserves per request (larger: fewer retractions)"),
     ("enable_mixed_chunk", ("--enable-mixed-chunk",), "scheduling",
      _compat("enable_mixed_chunk")),
+    ("prefill_max_requests", ("--prefill-max-requests",), "scheduling",
+     "most requests with prefill work in one step (default: the token budgets only)"),
+    ("retraction_policy", ("--retraction-policy",), "scheduling",
+     "which running requests KV pressure retracts first: length (fewest outputs, longest "
+     "prompt) or priority (lowest first)"),
+    ("enable_priority_scheduling", ("--enable-priority-scheduling",), "scheduling",
+     "order by request priority (as --schedule-policy priority) and preempt past the threshold"),
+    ("priority_scheduling_preemption_threshold", ("--priority-scheduling-preemption-threshold",),
+     "scheduling", "a waiting request this much higher in priority retracts the lowest "
+     "running one when no slot is free"),
+    ("radix_eviction_policy", ("--radix-eviction-policy",), "scheduling",
+     "prefix-cache eviction order: lru, or lfu (fewest hits first)"),
     ("max_total_tokens", ("--max-total-tokens",), "memory", "KV pool size in tokens"),
     ("mem_fraction_static", ("--mem-fraction-static", "--gpu-memory-utilization"), "memory",
      "fraction of device memory for weights and KV pool"),
     ("page_size", ("--page-size", "--block-size"), "memory", "tokens per KV page"),
     ("kv_cache_dtype", ("--kv-cache-dtype",), "memory", "KV cache dtype (auto: the model's)"),
     ("cuda_graph_max_bs", ("--cuda-graph-max-bs",), "memory", "largest CUDA-graph batch"),
+    ("cuda_graph_bs", ("--cuda-graph-bs",), "memory",
+     "decode batch sizes to capture as CUDA graphs (default: 1, 2, 4, 8, 12, 16, 24, ...)"),
     ("disable_cuda_graph", ("--disable-cuda-graph", "--enforce-eager"), "memory",
      "run decode without CUDA graphs"),
     ("skip_server_warmup", ("--skip-server-warmup",), "memory",
@@ -251,6 +287,10 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("log_format", ("--log-format",), "logging", "console lines or JSON lines"),
     ("log_requests", ("--log-requests", "--enable-log-requests"), "logging",
      "log every finished request (ids, token counts, finish reason, latency)"),
+    ("log_level_http", ("--log-level-http",), "logging",
+     "level of one access log line per HTTP request (default: none logged)"),
+    ("decode_log_interval", ("--decode-log-interval",), "logging",
+     "decode steps between decode-batch log lines; 0: none"),
     ("enable_cache_report", ("--enable-cache-report",), "logging",
      _compat("enable_cache_report")),
     ("record_events", ("--record-events",), "logging",
@@ -289,7 +329,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "device": DEVICES, "log_level": LOG_LEVELS, "log_format": LOG_FORMATS,
     "attention_backend": ATTENTION_BACKENDS, "weight_format": WEIGHT_FORMATS,
     "decode_attention_backend": DECODE_ATTENTION_BACKENDS, "kv_cache_dtype": KV_CACHE_DTYPES,
-    "tokenizer_mode": TOKENIZER_MODES,
+    "tokenizer_mode": TOKENIZER_MODES, "retraction_policy": RETRACTION_POLICIES,
+    "radix_eviction_policy": RADIX_EVICTION_POLICIES,
 }  # fmt: skip
 _PARALLEL_NAMES = {"tp_size": "tensor", "dp_size": "data", "pp_size": "pipeline",
                    "ep_size": "expert"}  # fmt: skip
@@ -330,7 +371,7 @@ def _problems(a: ServerArgs) -> list[str]:
         out.append("--host: must not be empty")
     at_least_one = ("max_running_requests", "max_queued_requests", "max_prefill_tokens",
                     "max_total_tokens", "context_length", "page_size", "stream_interval",
-                    "cuda_graph_max_bs")  # fmt: skip
+                    "cuda_graph_max_bs", "prefill_max_requests")  # fmt: skip
     for field in at_least_one:
         value = getattr(a, field)
         if value is not None and value < 1:
@@ -353,6 +394,20 @@ def _problems(a: ServerArgs) -> list[str]:
             f"{flag('watchdog_timeout')}: must exceed twice --heartbeat-interval "
             f"({a.heartbeat_interval:g} s), or one late beat would count as a death"
         )
+    if a.cuda_graph_bs is not None and (not a.cuda_graph_bs or min(a.cuda_graph_bs) < 1):
+        out.append(f"{flag('cuda_graph_bs')}: batch sizes must be >= 1")
+    for field in ("decode_log_interval", "priority_scheduling_preemption_threshold"):
+        if getattr(a, field) < 0:
+            out.append(f"{flag(field)}: must be >= 0")
+    if a.log_level_http is not None and a.log_level_http not in LOG_LEVELS:
+        out.append(f"{flag('log_level_http')}: must be one of {', '.join(LOG_LEVELS)}")
+    if a.json_model_override_args is not None:
+        try:
+            overrides = json.loads(a.json_model_override_args)
+        except json.JSONDecodeError as e:
+            overrides = e
+        if not isinstance(overrides, dict):
+            out.append(f"{FLAG_OF['json_model_override_args']}: must be a JSON object")
     for field in ("api_key", "admin_api_key", "served_model_name"):
         if getattr(a, field) == "":
             out.append(f"{FLAG_OF[field]}: must not be empty")

@@ -35,7 +35,7 @@ def _field_type(field: str) -> tuple[type, bool]:
     default = ServerArgs.__struct_defaults__[ServerArgs.__struct_fields__.index(field)]
     if isinstance(default, bool):
         return bool, True
-    annotation = str(ServerArgs.__annotations__[field])
+    annotation = str(ServerArgs.__annotations__[field]).removeprefix("list[")
     for name, t in (("int", int), ("float", float), ("str", str)):
         if annotation.startswith(name):
             return t, False
@@ -69,6 +69,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
             kw.update(action="store_true", help=help_)
         else:
             kw.update(type=kind, help=help_ + _default_text(field))
+            if str(ServerArgs.__annotations__[field]).startswith("list["):
+                kw["nargs"] = "+"
             if field in CHOICES:
                 kw["choices"] = CHOICES[field] + (tuple(DTYPE_ALIASES) if field == "dtype" else ())
             else:

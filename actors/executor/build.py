@@ -60,7 +60,10 @@ def graph_max_bs(config: ExecutorConfig, device: torch.device) -> int | None:
     """Largest captured decode batch, or None when no graph is captured."""
     if device.type != "cuda" or config.disable_cuda_graph:
         return None
-    return min(config.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, config.max_num_rows)
+    largest = config.cuda_graph_max_bs
+    if config.cuda_graph_bs is not None:
+        largest = min(largest or max(config.cuda_graph_bs), max(config.cuda_graph_bs))
+    return min(largest or DEFAULT_CUDA_GRAPH_MAX_BS, config.max_num_rows)
 
 
 def graph_bytes(mcfg: ModelConfig, max_bs: int | None, elem: int) -> int:
@@ -140,6 +143,7 @@ def build_core(config: ExecutorConfig) -> ExecutorCore:
         max_context_len=max_context_len,
         cuda_graph_max_bs=max_bs,
         progress=config.load_progress,
+        cuda_graph_sizes=config.cuda_graph_bs,
     )
     core = ExecutorCore(
         runner,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from shunter.actors.executor.models.quant import WEIGHT_FORMATS
@@ -44,7 +46,7 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Row indices must be below this (rows are the scheduler's running slots)."""
     load_progress: bool = True
     """Show a progress bar while loading weights."""
-    model_overrides: dict[str, int | float | str] = {}
+    model_overrides: dict[str, Any] = {}
     """ModelConfig fields to override (e.g. num_layers for a small dummy model)."""
     weight_format: str = "none"
     """Projection weights kept as "bf16", "int8" or "int4" (models/quant.py) to cut the
@@ -63,6 +65,9 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
     (capped by max_num_rows). Larger decode batches and every prefill run eagerly."""
     disable_cuda_graph: bool = False
     """Run every step eagerly on CUDA (no graph capture)."""
+    cuda_graph_bs: tuple[int, ...] | None = None
+    """The decode batch sizes captured (SGLang's --cuda-graph-bs); the largest is the
+    largest replayed unless cuda_graph_max_bs is smaller. None: the default buckets."""
     skip_server_warmup: bool = False
     """On CUDA, skip the warm-up steps (warmup.py) that build the attention kernels
     compiled on first use before the executor is ready."""
@@ -78,6 +83,10 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"decode_attention_backend must be one of {DECODE_ATTENTION_BACKENDS}, "
                 f"got {self.decode_attention_backend!r}"
             )
+        if self.cuda_graph_bs is not None and (
+            not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1
+        ):
+            raise ValueError(f"cuda_graph_bs must be sizes >= 1, got {self.cuda_graph_bs}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.dtype not in DTYPES:

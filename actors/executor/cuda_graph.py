@@ -36,6 +36,7 @@ check.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,22 +52,27 @@ _BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 1
             192, 208, 224, 240, 256, 288, 320, 352, 384, 448, 512)  # fmt: skip
 
 
-def capture_sizes(max_bs: int) -> list[int]:
-    """The bucket sizes captured for a largest batch of `max_bs` (itself included)."""
+def capture_sizes(max_bs: int, sizes: Sequence[int] | None = None) -> list[int]:
+    """The bucket sizes captured for a largest batch of `max_bs` (itself included): the
+    default buckets below it, or the given `sizes` below it (--cuda-graph-bs)."""
     if max_bs < 1:
         raise ValueError(f"max_bs must be >= 1, got {max_bs}")
-    return sorted({b for b in _BUCKETS if b < max_bs} | {max_bs})
+    if sizes is not None and (not sizes or min(sizes) < 1):
+        raise ValueError(f"graph batch sizes must be >= 1, got {list(sizes)}")
+    below = _BUCKETS if sizes is None else sizes
+    return sorted({b for b in below if b < max_bs} | {max_bs})
 
 
 class DecodeGraphs:
     """See the module docstring."""
 
-    def __init__(self, runner: ModelRunner, max_bs: int, *, capture: bool = True) -> None:
+    def __init__(self, runner: ModelRunner, max_bs: int, *, capture: bool = True,
+                 sizes: Sequence[int] | None = None) -> None:  # fmt: skip
         table = runner.slot_table
         if table is None or runner.kv_pool.pad_slot is None:
             raise ValueError("decode graphs need the device slot table and a padding page")
         self.runner = runner
-        self.sizes = capture_sizes(max_bs)
+        self.sizes = capture_sizes(max_bs, sizes)
         self.max_bs = self.sizes[-1]
         self.capture = capture
         self.num_replays = 0

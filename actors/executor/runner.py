@@ -31,6 +31,7 @@ flashinfer's; prefill and extend steps always run flashinfer (backends.py decide
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -122,10 +123,12 @@ class ModelRunner:
         cuda_graph_max_bs: int | None = None,
         capture: bool | None = None,
         progress: bool = False,
+        cuda_graph_sizes: Sequence[int] | None = None,
     ) -> None:
         """decode_attention_backend: "auto", "triton" or "flashinfer" (decode_backend_for);
         slot_table: keep the device row table (default: on CUDA when max_num_rows is
-        given); cuda_graph_max_bs: capture decode graphs up to this batch (None: none);
+        given); cuda_graph_max_bs: capture decode graphs up to this batch (None: none),
+        of the default bucket sizes or of cuda_graph_sizes;
         capture: really capture (default: on CUDA; off runs the padded graph path
         eagerly)."""
         self.model = model
@@ -186,7 +189,10 @@ class ModelRunner:
             from shunter.actors.executor.cuda_graph import DecodeGraphs
 
             self.graphs = DecodeGraphs(
-                self, cuda_graph_max_bs or 1, capture=on_cuda if capture is None else capture
+                self,
+                cuda_graph_max_bs or 1,
+                capture=on_cuda if capture is None else capture,
+                sizes=cuda_graph_sizes,
             )
             self.graphs.capture_all(progress)
         self._num_forwards = self._num_tokens = self._num_logits = 0

@@ -53,6 +53,10 @@ class TokenizerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_stop_len_chars: int = 256
     """A longer stop string is an invalid request (it bounds the held-back text)."""
 
+    allow_auto_truncate: bool = False
+    """--allow-auto-truncate: a prompt as long as the context is cut to its first
+    context_len - 1 tokens, and max_new_tokens to what then fits, instead of a 400."""
+
     num_prompt_context_tokens: int = 5
     """Prompt tokens kept as leading context for detokenizing the first output tokens
     (some decoders drop a leading space when a piece is decoded on its own)."""

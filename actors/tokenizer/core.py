@@ -264,6 +264,9 @@ class TokenizerCore:
         n, ctx = len(ids), self.context_len
         if n == 0:
             raise _Invalid("invalid_request", "the prompt is empty (0 tokens)")
+        if n >= ctx and self.config.allow_auto_truncate:
+            ids = ids[: ctx - 1]  # SGLang's order: the prompt's start is kept
+            n = len(ids)
         if n >= ctx:
             raise _Invalid(
                 "context_length_exceeded",
@@ -272,7 +275,7 @@ class TokenizerCore:
             )
         max_new = sp.max_new_tokens
         if n + max_new > ctx:
-            if not req.clamp_max_new_tokens:
+            if not (req.clamp_max_new_tokens or self.config.allow_auto_truncate):
                 raise _Invalid(
                     "context_length_exceeded",
                     f"this model's context length is {ctx} tokens, but {n + max_new} were "

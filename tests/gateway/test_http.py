@@ -282,3 +282,21 @@ def test_a_request_id_in_flight_cannot_be_reused(stack):
     _assert_error(r, 400, param="rid", code="duplicate_request_id")
     assert _post(stack, "/abort_request", {"rid": "dup-1"}).json()["num_aborted"] == 1
     t.join(5)
+
+
+def test_log_level_http_logs_one_line_per_request_at_that_level(stack_factory):
+    import time
+    import urllib.request
+
+    import structlog
+
+    s = stack_factory(log_level_http="warning")
+    with structlog.testing.capture_logs() as logs:
+        with urllib.request.urlopen(s.url + "/v1/models", timeout=10) as r:
+            assert r.status == 200
+        deadline = time.monotonic() + 5
+        while not [e for e in logs if e["event"] == "http"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+    (line,) = [e for e in logs if e["event"] == "http"]
+    assert (line["path"], line["status"], line["method"]) == ("/v1/models", 200, "GET")
+    assert line["log_level"] == "warning" and line["ms"] >= 0

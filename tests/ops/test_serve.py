@@ -3,6 +3,8 @@ server arguments (and the executor's Ready) onto each actor's config."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import socket
 import subprocess
 import sys
@@ -136,6 +138,35 @@ def test_configs_follow_the_server_args_and_the_executor_ready():
     assert gw.server_info["max_prefill_tokens"] == 777
     assert gw.server_info["max_total_num_tokens"] == 4096  # the executor's pool
     assert gw.server_info["executor"] == dict(EXECUTOR_READY[EXECUTOR_ID].info)
+
+
+def test_sglang_scheduling_cache_and_graph_options_reach_their_actors():
+    a = parse_server_args([
+        "--enable-priority-scheduling", "--priority-scheduling-preemption-threshold", "3",
+        "--prefill-max-requests", "2", "--retraction-policy", "priority",
+        "--radix-eviction-policy", "lfu", "--cuda-graph-bs", "1", "4", "16",
+        "--json-model-override-args", '{"num_hidden_layers": 2}', "--allow-auto-truncate",
+        "--log-level-http", "info", "--decode-log-interval", "5",
+    ])  # fmt: skip
+    specs = {s.kind: s for s in actor_specs(a)}
+    sched = build_config(specs["scheduler"], a, EXECUTOR_READY, seed=5)
+    assert (sched.schedule_policy, sched.priority_preemption_threshold) == ("priority", 3)
+    assert (sched.prefill_max_requests, sched.retraction_policy) == (2, "priority")
+    assert sched.decode_log_interval == 5
+    assert build_config(specs["cache"], a, EXECUTOR_READY, seed=5).eviction_policy == "lfu"
+    ex = build_config(specs["executor"], a, {}, seed=5)
+    assert ex.cuda_graph_bs == (1, 4, 16) and ex.model_overrides == {"num_hidden_layers": 2}
+    assert build_config(specs["tokenizer"], a, {}, seed=5).allow_auto_truncate
+    assert build_config(specs["gateway"], a, EXECUTOR_READY, seed=5).log_level_http == "info"
+    plain = build_config(specs["scheduler"], parse_server_args([]), EXECUTOR_READY, seed=5)
+    assert plain.priority_preemption_threshold is None and plain.schedule_policy == "fcfs"
+    for argv, words in ((["--json-model-override-args", "[1]"], "JSON object"),
+                        (["--cuda-graph-bs", "0"], ">= 1"),
+                        (["--radix-eviction-policy", "slru"], "invalid choice")):  # fmt: skip
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), pytest.raises((ValueError, SystemExit)) as e:
+            parse_server_args(argv)
+        assert words in str(e.value) + err.getvalue()
 
 
 def test_an_impossible_context_length_is_a_clear_start_error():

@@ -34,6 +34,11 @@ SAMPLE: dict[str, str | None] = {
     "schedule_conservativeness": "1.3", "enable_mixed_chunk": None, "kv_cache_dtype": "auto",
     "enable_torch_compile": None, "ep_size": "1", "nnodes": "1", "node_rank": "0",
     "dist_init_addr": "10.0.0.1:5000", "log_requests": None, "enable_cache_report": None,
+    "json_model_override_args": '{"num_hidden_layers": 2}', "allow_auto_truncate": None,
+    "prefill_max_requests": "4", "retraction_policy": "priority",
+    "enable_priority_scheduling": None, "priority_scheduling_preemption_threshold": "5",
+    "radix_eviction_policy": "lfu", "cuda_graph_bs": "1 2 8", "log_level_http": "warning",
+    "decode_log_interval": "10",
 }  # fmt: skip
 ALIASES = [(field, flag) for field, flags, _, _ in OPTIONS for flag in flags]
 
@@ -45,9 +50,13 @@ def test_sample_covers_every_field():
 @pytest.mark.parametrize(("field", "flag"), ALIASES, ids=[f for _, f in ALIASES])
 def test_every_alias_parses_to_its_field(field, flag):
     value = SAMPLE[field]
-    argv = [flag] if value is None else [flag, value]
+    argv = [flag] if value is None else [flag, *value.split(" ")] if field == "cuda_graph_bs" \
+        else [flag, value]  # fmt: skip
     args = parse_server_args(argv)
-    expected = True if value is None else type(getattr(args, field))(value)
+    if field == "cuda_graph_bs":
+        expected = [int(v) for v in value.split()]
+    else:
+        expected = True if value is None else type(getattr(args, field))(value)
     assert getattr(args, field) == expected
     # ...and nothing else moved from its default.
     default = ServerArgs()

@@ -113,6 +113,9 @@ def test_capture_sizes():
     assert capture_sizes(256)[-3:] == [224, 240, 256]
     with pytest.raises(ValueError):
         capture_sizes(0)
+    assert capture_sizes(16, [1, 4, 64, 8]) == [1, 4, 8, 16]  # --cuda-graph-bs, capped
+    with pytest.raises(ValueError):
+        capture_sizes(8, [0, 8])
 
 
 def test_slot_table_rejects_rows_outside_it(tiny_model_dir):

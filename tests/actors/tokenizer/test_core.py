@@ -87,6 +87,14 @@ def test_eos_joins_stop_token_ids_unless_ignore_eos(core):
     assert t.sampling.stop_token_ids == []
 
 
+def test_allow_auto_truncate_keeps_the_prompt_start_and_clamps_the_output(codec):
+    core = TokenizerCore(codec, TokenizerConfig(context_len=256, allow_auto_truncate=True))
+    (t,) = core.handle(_gen(input_ids=list(range(10, 310)), sampling={"max_new_tokens": 16}))
+    assert t.input_ids == list(range(10, 265)) and t.sampling.max_new_tokens == 1
+    (t,) = core.handle(_gen("b", input_ids=[5] * 10, sampling={"max_new_tokens": 250}))
+    assert len(t.input_ids) == 10 and t.sampling.max_new_tokens == 246
+
+
 @pytest.mark.parametrize(
     ("req", "code", "words"),
     [

@@ -38,6 +38,10 @@ class GatewayConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_context_len: int = 8192
     """The model's context length (prompt + output), for /v1/models and early checks."""
 
+    incremental_streaming_output: bool = False
+    """--incremental-streaming-output: /generate streams each chunk's new text, ids and
+    logprobs only (SGLang's default is the whole output so far in every chunk)."""
+
     log_level_http: str | None = None
     """--log-level-http: log one access line per HTTP request at this level; None: none."""
 

@@ -18,7 +18,8 @@ adds `output_token_ids_logprobs` (and `input_token_ids_logprobs` from
 bus they ride in each position's top-logprob list, after its top tokens.
 
 Streaming sends `data: {...}\\n\\n` per delta with *cumulative* text and output_ids (as
-SGLang does by default), plus "index" in a batch, then `data: [DONE]\\n\\n`.
+SGLang does by default; with --incremental-streaming-output only what is new: text,
+output_ids and the logprob lists), plus "index" in a batch, then `data: [DONE]\\n\\n`.
 """
 
 from __future__ import annotations
@@ -152,6 +153,27 @@ def _meta(rid: str, a: Acc, start_s: float, body: GenerateBody, start_len: int,
     return meta
 
 
+_OUTPUT_LISTS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
+_INPUT_LISTS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
+
+
+def _since(out: dict, a: Acc, sent: tuple[int, int, int]) -> tuple[dict, tuple[int, int, int]]:
+    """A streamed item cut to what the client has not been sent yet
+    (--incremental-streaming-output), and the new sent counts."""
+    t0, i0, p0 = sent
+    meta = out["meta_info"]
+    out["text"] = "".join(a.text[t0:])
+    out["output_ids"] = out["output_ids"][i0:]
+    for key in _OUTPUT_LISTS:
+        if key in meta:
+            meta[key] = meta[key][i0:]
+    num_prompt = len(meta.get("input_token_logprobs", ()))
+    for key in _INPUT_LISTS:
+        if key in meta:
+            meta[key] = meta[key][p0:]
+    return out, (len(a.text), len(a.token_ids), max(p0, num_prompt))
+
+
 @routes.post("/generate")
 async def generate(request: web.Request) -> web.StreamResponse:
     ctx = ctx_of(request)
@@ -234,11 +256,15 @@ async def generate(request: web.Request) -> web.StreamResponse:
         items = [item(k) for k in range(len(gens))]
         return json_response(items if many else items[0])
     resp = await open_sse(request)
+    sent = [(0, 0, 0)] * len(gens)  # text pieces, output tokens, prompt entries sent
     try:
         async with generation(ctx, gens) as group:
             async for k, d in group:
                 accs[k].add(d)
-                await sse_send(resp, item(k))
+                out = item(k)
+                if ctx.config.incremental_streaming_output:
+                    out, sent[k] = _since(out, accs[k], sent[k])
+                await sse_send(resp, out)
     except APIError as e:
         await sse_send(resp, e.body())
     await sse_done(resp)

@@ -228,6 +228,7 @@ def build_config(spec: ActorSpec, a: ServerArgs, ready: Mapping[str, Ready], see
                 actor_id=spec.actor_id, host=a.host, port=a.port, api_key=a.api_key,
                 admin_api_key=a.admin_api_key, enable_metrics=a.enable_metrics,
                 log_requests=a.log_requests, log_level_http=a.log_level_http,
+                incremental_streaming_output=a.incremental_streaming_output,
                 served_model_name=a.served_model_name or source.name, model_path=source.path,
                 tool_call_parser=a.tool_call_parser,
                 tokenizer_path=a.tokenizer_path or source.path,

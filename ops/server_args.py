@@ -85,6 +85,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     api_key: str | None = None
     admin_api_key: str | None = None
     enable_metrics: bool = False
+    incremental_streaming_output: bool = False
 
     # scheduling
     schedule_policy: str = "fcfs"
@@ -223,6 +224,8 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("api_key", ("--api-key",), "server", "bearer key required on every endpoint"),
     ("admin_api_key", ("--admin-api-key",), "server", "bearer key for admin endpoints"),
     ("enable_metrics", ("--enable-metrics",), "server", "serve Prometheus text at /metrics"),
+    ("incremental_streaming_output", ("--incremental-streaming-output",), "server",
+     "/generate streams only each chunk's new text and ids (default: all so far)"),
     ("schedule_policy", ("--schedule-policy",), "scheduling", "waiting-queue order"),
     ("max_running_requests", ("--max-running-requests", "--max-num-seqs"), "scheduling",
      "most requests decoding at once (default: from the KV pool size)"),

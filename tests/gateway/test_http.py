@@ -135,6 +135,23 @@ def test_sse_framing_openai_and_native(stack):
     assert chunks[-1]["output_ids"] == stack.engine.reply_ids[:5]
 
 
+def test_incremental_streaming_output_sends_only_what_is_new(stack, stack_factory):
+    body = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 6},
+            "return_logprob": True, "top_logprobs_num": 2}  # fmt: skip
+    whole = [json.loads(e) for e in _sse_events(_post(stack, "/generate", body, stream=True))[:-1]]
+    s = stack_factory(incremental_streaming_output=True)
+    parts = [json.loads(e) for e in _sse_events(_post(s, "/generate", body, stream=True))[:-1]]
+    last = whole[-1]
+    assert "".join(p["text"] for p in parts) == last["text"]
+    assert [i for p in parts for i in p["output_ids"]] == last["output_ids"]
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        got = [x for p in parts for x in p["meta_info"][key]]
+        assert got == last["meta_info"][key], key
+        assert all(len(p["meta_info"][key]) == len(p["output_ids"]) for p in parts)
+    assert parts[-1]["meta_info"]["finish_reason"] == last["meta_info"]["finish_reason"]
+    assert parts[-1]["meta_info"]["completion_tokens"] == 6
+
+
 def test_native_generate_single_batch_and_logprobs(stack):
     r = _post(stack, "/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 3},
                                    "return_logprob": True, "top_logprobs_num": 1, "rid": "my-rid",

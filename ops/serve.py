@@ -403,6 +403,12 @@ async def _supervise(a: ServerArgs, connect, launch, handle_signals: bool, healt
 
                 rec_bus = connect("recorder")
                 await tg.start(record, rec_bus, a.record_events)
+            if a.kv_events_config is not None:
+                from shunter.bus.kv_events import export_kv_events, parse_config
+
+                kv_bus = connect("kv-events")
+                await tg.start(lambda task_status: export_kv_events(
+                    kv_bus, parse_config(a.kv_events_config), task_status=task_status))  # fmt: skip
             supervisor = Supervisor(
                 supervisor_config(a), sup_bus, dict.fromkeys(kinds, launch),
                 handle_signals=handle_signals, on_health=health,
@@ -415,4 +421,6 @@ async def _supervise(a: ServerArgs, connect, launch, handle_signals: bool, healt
             await sup_bus.aclose()
             if a.record_events is not None:
                 await rec_bus.aclose()
+            if a.kv_events_config is not None:
+                await kv_bus.aclose()
     return code

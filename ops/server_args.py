@@ -86,6 +86,8 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     admin_api_key: str | None = None
     enable_metrics: bool = False
     incremental_streaming_output: bool = False
+    kv_events_config: str | None = None
+    """SGLang's JSON: publish the prefix cache's KV events on ZMQ for routers."""
 
     # scheduling
     schedule_policy: str = "fcfs"
@@ -226,6 +228,9 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("enable_metrics", ("--enable-metrics",), "server", "serve Prometheus text at /metrics"),
     ("incremental_streaming_output", ("--incremental-streaming-output",), "server",
      "/generate streams only each chunk's new text and ids (default: all so far)"),
+    ("kv_events_config", ("--kv-events-config",), "server",
+     "JSON, e.g. '{\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}': publish KV "
+     "cache events (BlockStored, BlockRemoved) for cache-aware routers"),
     ("schedule_policy", ("--schedule-policy",), "scheduling", "waiting-queue order"),
     ("max_running_requests", ("--max-running-requests", "--max-num-seqs"), "scheduling",
      "most requests decoding at once (default: from the KV pool size)"),
@@ -404,6 +409,13 @@ def _problems(a: ServerArgs) -> list[str]:
             out.append(f"{flag(field)}: must be >= 0")
     if a.log_level_http is not None and a.log_level_http not in LOG_LEVELS:
         out.append(f"{flag('log_level_http')}: must be one of {', '.join(LOG_LEVELS)}")
+    if a.kv_events_config is not None:
+        from shunter.bus.kv_events import parse_config
+
+        try:
+            parse_config(a.kv_events_config)
+        except ValueError as e:
+            out.append(str(e))
     if a.json_model_override_args is not None:
         try:
             overrides = json.loads(a.json_model_override_args)

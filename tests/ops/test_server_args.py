@@ -39,6 +39,7 @@ SAMPLE: dict[str, str | None] = {
     "enable_priority_scheduling": None, "priority_scheduling_preemption_threshold": "5",
     "radix_eviction_policy": "lfu", "cuda_graph_bs": "1 2 8", "log_level_http": "warning",
     "decode_log_interval": "10", "incremental_streaming_output": None,
+    "kv_events_config": '{"publisher": "zmq"}',
 }  # fmt: skip
 ALIASES = [(field, flag) for field, flags, _, _ in OPTIONS for flag in flags]
 

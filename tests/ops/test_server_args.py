@@ -84,7 +84,9 @@ def test_vllm_spellings_and_dtype_aliases():
 @pytest.mark.parametrize("argv", [["--quantization", "fp8"], ["--enable-lora"],
                                   ["--lora-paths", "a", "b"], ["--speculative-algorithm", "EAGLE"],
                                   ["--kv-cache-dtype", "fp8_e4m3"], ["--nnodes", "2"],
-                                  ["--ep", "2"]])  # fmt: skip
+                                  ["--ep", "2"], ["--enable-hierarchical-cache"],
+                                  ["--hicache-ratio", "2"], ["--tokenizer-worker-num", "4"],
+                                  ["--attn-cp-size", "2"]])  # fmt: skip
 def test_unsupported_sglang_options_say_why(argv):
     err = io.StringIO()
     with contextlib.redirect_stderr(err):

@@ -303,3 +303,19 @@ def test_mixed_prefill_and_decode_steps_do_not_synchronize_the_device(config, ba
         torch.cuda.set_sync_debug_mode(0)
     results += core.flush()
     assert [r.error for r in results] == [None] * len(results)
+
+
+@pytest.mark.gpu
+def test_graphs_of_the_sizes_cuda_graph_bs_lists_give_the_eager_results(config):
+    """--cuda-graph-bs 3 5: decode steps of 1-3 rows replay the size-3 graph (padded),
+    4-5 rows the size-5 one; the tokens are those of eager steps (float32)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    base = msgspec.structs.replace(config, device="cuda", dtype="float32")
+    graphs = build_core(msgspec.structs.replace(base, cuda_graph_bs=(3, 5)))
+    assert graphs.runner.graphs is not None and graphs.runner.graphs.sizes == [3, 5]
+    eager = build_core(msgspec.structs.replace(base, disable_cuda_graph=True))
+    batches = overlap_batches()
+    got, want = run_sync(graphs, batches), run_sync(eager, batches)
+    assert [(r.token_ids, r.error) for r in got] == [(r.token_ids, r.error) for r in want]
+    assert graphs.runner.graphs.num_replays > 0

@@ -73,15 +73,19 @@ class Script:
         )  # fmt: skip
 
 
-@pytest.mark.parametrize(("name", "page_size"), [("llama", 1), ("mistral_window", 4)])
-def test_table_and_padded_graph_path_match_plain_runner(tiny_model_dir, name, page_size):
+@pytest.mark.parametrize(("name", "page_size", "sizes"),
+                         [("llama", 1, None), ("mistral_window", 4, None), ("llama", 1, (3,))])  # fmt: skip
+def test_table_and_padded_graph_path_match_plain_runner(tiny_model_dir, name, page_size, sizes):
+    """sizes: --cuda-graph-bs (3 and the largest, 5: two- and one-entry steps pad to 3)."""
     model, config = load_model(str(tiny_model_dir(name)), progress=False)
     plain = ModelRunner(model, KVPool(config, 64, page_size=page_size))
     graph = ModelRunner(
         model, KVPool(config, 64, page_size=page_size, pad_page=True), attention_backend="torch",
         max_num_rows=8, max_context_len=64, slot_table=True, cuda_graph_max_bs=5, capture=False,
+        cuda_graph_sizes=sizes,
     )  # fmt: skip
-    assert graph.graphs is not None and graph.graphs.sizes == [1, 2, 4, 5]
+    assert graph.graphs is not None
+    assert graph.graphs.sizes == ([1, 2, 4, 5] if sizes is None else [3, 5])
     s = Script(page_size)
     steps = [[(3, 5), (0, 9)]]
     steps += [[(3, 1), (0, 1)]] * 2

@@ -129,6 +129,8 @@ class ResponseFormat(msgspec.Struct):
     type: str
     json_schema: JsonSchemaFormat | None = None
     schema: dict[str, Any] | None = None  # vLLM/SGLang also take it here
+    structures: list[Any] | None = None  # type structural_tag (SGLang)
+    triggers: list[Any] | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -189,19 +191,21 @@ def check_model(requested: str | None, served: str) -> None:
 
 def constraint_regex(req: Any, fmt: Any = None, fmt_param: str = "response_format") -> str:
     """The regular expression a request's output must match whole: its `regex`, its
-    `json_schema` or its `ebnf` grammar (SGLang's names), or its output format `fmt`
-    (chat's response_format, the Responses API's text.format, named `fmt_param`:
-    json_schema or json_object); "" when none. At most one may be given."""
+    `json_schema`, its `ebnf` grammar or its `structural_tag` (SGLang's names), or its
+    output format `fmt` (chat's response_format, the Responses API's text.format, named
+    `fmt_param`: json_schema, json_object or structural_tag); "" when none. At most one
+    may be given."""
     from shunter.actors.grammar.ebnf import ebnf_regex
     from shunter.actors.grammar.json_schema import json_object, schema_regex
+    from shunter.actors.grammar.structural_tag import structural_tag_regex
 
     if fmt is None:
         fmt = getattr(req, "response_format", None)
-    names = ("regex", "json_schema", "ebnf")
+    names = ("regex", "json_schema", "ebnf", "structural_tag")
     given = [n for n in names if getattr(req, n, None) is not None]
     if fmt is not None and fmt.type != "text":
         given.append(fmt_param)
-    _check(len(given) <= 1, f"give at most one of regex, json_schema, ebnf, {fmt_param}; "
+    _check(len(given) <= 1, f"give at most one of regex, json_schema, ebnf, structural_tag, {fmt_param}; "
                             f"got {', '.join(given)}", given[-1] if given else None)  # fmt: skip
     if not given:
         return ""
@@ -214,11 +218,20 @@ def constraint_regex(req: Any, fmt: Any = None, fmt_param: str = "response_forma
             return schema_regex(req.json_schema)
         if given[0] == "ebnf":
             return ebnf_regex(req.ebnf)
+        if given[0] == "structural_tag":
+            return structural_tag_regex(req.structural_tag)
         if fmt.type == "json_object":
             return json_object()
+        if fmt.type == "structural_tag":
+            return structural_tag_regex(
+                {
+                    "structures": getattr(fmt, "structures", None),
+                    "triggers": getattr(fmt, "triggers", None),
+                }
+            )
         if fmt.type != "json_schema":
             raise bad_request(f"{fmt_param} type {fmt.type!r} is not supported (text, "
-                              "json_object or json_schema)", param=fmt_param)  # fmt: skip
+                              "json_object, json_schema or structural_tag)", param=fmt_param)  # fmt: skip
         nested = getattr(fmt, "json_schema", None)
         schema = nested.schema if nested is not None else fmt.schema
         _check(schema is not None, f"{fmt_param} json_schema needs a schema", fmt_param)
@@ -271,9 +284,6 @@ def sampling_from(
     req: SamplingFields, *, max_new_tokens: int, return_logprob: bool, top_logprobs_num: int
 ) -> SamplingParams:
     """OpenAI request -> SamplingParams, checking every range (seed is set per choice)."""
-    if getattr(req, "structural_tag", None) is not None:
-        raise bad_request("structural_tag: this grammar form is not supported (use regex, "
-                          "json_schema or ebnf)", param="structural_tag")  # fmt: skip
     t = 1.0 if req.temperature is None else req.temperature
     _check(0.0 <= t <= 100.0, f"temperature must be between 0 and 100, got {t}", "temperature")
     top_p = 1.0 if req.top_p is None else req.top_p

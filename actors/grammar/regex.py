@@ -16,11 +16,14 @@ of the pattern and, where the caller allows it, `$` at its end. Refused with a
 `ValueError` that names the parameter and the reason: `\\b`, backreferences,
 lookarounds, inline flags.
 
-One extension, where the caller allows it (constraints): `(?J:...)` matches the text
-its pattern matches as it is written inside a JSON string: a quote, a backslash and
-the control characters it would match match only in their escaped forms (`\\"`,
+Two extensions, where the caller allows them (constraints): `(?J:...)` matches the
+text its pattern matches as it is written inside a JSON string: a quote, a backslash
+and the control characters it would match match only in their escaped forms (`\\"`,
 `\\\\`, `\\n` or `\\u000a`, ...). A JSON Schema's string `pattern` is kept this way
 (json_schema.py), so whatever the pattern allows, the output stays valid JSON.
+`(?A:w1|w2|...)`, its words literals (escaped as `re.escape` does), matches any text
+in which no word occurs: an Aho-Corasick automaton over the words, every state but a
+word's end accepting (structural_tag.py's free text between tagged structures).
 """
 
 from __future__ import annotations
@@ -57,12 +60,12 @@ _REFUSED_ESCAPES = {
 
 
 class _Parser:
-    def __init__(self, pattern: str, param: str, end_anchor: bool, json_groups: bool) -> None:
+    def __init__(self, pattern: str, param: str, end_anchor: bool, extensions: bool) -> None:
         self.p = pattern
         self.i = 0
         self.param = param
         self.end_anchor = end_anchor  # a final "$" is allowed (a whole-text match)
-        self.json_groups = json_groups  # (?J:...) is allowed (the module docstring)
+        self.extensions = extensions  # (?J:...) and (?A:...) are allowed (the module docstring)
 
     def fail(self, why: str) -> ValueError:
         return ValueError(f"{self.param} {self.p!r}: {why} (at offset {self.i})")
@@ -143,9 +146,12 @@ class _Parser:
                 kind = self.peek()
                 if kind == ":":
                     self.i += 1
-                elif kind == "J" and self.json_groups and self.p.startswith("J:", self.i):
+                elif kind == "J" and self.extensions and self.p.startswith("J:", self.i):
                     self.i += 2
                     json_group = True
+                elif kind == "A" and self.extensions and self.p.startswith("A:", self.i):
+                    self.i += 2
+                    return ("avoid", self.words())
                 elif kind == "P" and self.p.startswith("P<", self.i):
                     close = self.p.find(">", self.i)
                     if close < 0:
@@ -178,6 +184,30 @@ class _Parser:
         if c == ")":
             raise self.fail("unbalanced ')'")
         return ("char", _literal(c))
+
+    def words(self) -> list[str]:
+        """The literal words of an `(?A:...)` group, up to its ")"."""
+        words, word = [], []
+        while True:
+            if self.peek() is None:
+                raise self.fail("missing ')'")
+            c = self.take()
+            if c in "|)":
+                if not word:
+                    raise self.fail("(?A:...) words must not be empty")
+                words.append("".join(word))
+                word = []
+                if c == ")":
+                    return words
+            elif c == "\\":
+                e = self.escape(in_class=False)
+                if not isinstance(e, str):
+                    raise self.fail("(?A:...) takes literal words only")
+                word.append(e)
+            elif c in "([{*+?.^$":
+                raise self.fail(f"(?A:...) takes literal words only (escape {c!r})")
+            else:
+                word.append(c)
 
     def escape(self, *, in_class: bool) -> str | Pred:
         """What follows a backslash: the character it stands for, or a class escape's
@@ -313,6 +343,32 @@ class _Builder:
         self.split.append([])
         return len(self.step) - 1
 
+    def avoid(self, words: list[str], out: int) -> int:
+        """States for text in which no word occurs (`(?A:...)`), continuing to `out`
+        from wherever it ends; returns the entry state."""
+        goto, ends = _word_automaton(words)
+        live = [s for s in range(len(goto)) if s not in ends]
+        entry = {s: self.new() for s in live}
+        for s in live:
+            targets: dict[int, set[str]] = {}
+            for c, t in goto[s].items():
+                targets.setdefault(t, set()).add(c)
+            alphabet = set(goto[s])  # every state lists every character of the words
+            branches = [out]
+            for t, chars in targets.items():
+                if t in ends:
+                    continue  # that character completes a word
+                r = self.new()
+                pred = _chars_or_others(chars, alphabet) if t == 0 else chars.__contains__
+                self.step[r] = (pred, entry[t])
+                branches.append(r)
+            if 0 not in targets:  # characters outside the words still lead to the root
+                r = self.new()
+                self.step[r] = (_chars_or_others(set(), alphabet), entry[0])
+                branches.append(r)
+            self.split[entry[s]] = branches
+        return entry[0]
+
     def build(self, node: tuple, out: int) -> int:
         """States for `node` that continue to `out`; returns its entry state."""
         kind = node[0]
@@ -330,6 +386,8 @@ class _Builder:
             s = self.new()
             self.split[s] = [self.build(child, out) for child in node[1]]
             return s
+        if kind == "avoid":
+            return self.avoid(node[1], out)
         _, child, lo, hi = node
         if hi is None:  # child{lo,}: lo copies, then a loop
             loop = self.new()
@@ -346,6 +404,42 @@ class _Builder:
         return entry
 
 
+def _chars_or_others(chars: set[str], alphabet: set[str]) -> Pred:
+    """A character of `chars`, or one that is not in `alphabet`."""
+    return lambda ch: ch in chars or ch not in alphabet
+
+
+def _word_automaton(words: list[str]) -> tuple[list[dict[str, int]], set[int]]:
+    """Aho-Corasick over `words`: goto[s][c] for every state and every character of
+    the words (other characters lead to state 0), and the states where a word ends."""
+    trie: list[dict[str, int]] = [{}]
+    ends: set[int] = set()
+    for w in words:
+        s = 0
+        for c in w:
+            if c not in trie[s]:
+                trie.append({})
+                trie[s][c] = len(trie) - 1
+            s = trie[s][c]
+        ends.add(s)
+    alphabet = sorted({c for w in words for c in w})
+    fail = [0] * len(trie)
+    goto: list[dict[str, int]] = [{} for _ in trie]
+    order = [0]
+    for s in order:  # breadth first: a state's fail link is complete before its children's
+        for c in alphabet:
+            if c in trie[s]:
+                t = trie[s][c]
+                goto[s][c] = t
+                fail[t] = goto[fail[s]][c] if s else 0
+                if fail[t] in ends:
+                    ends.add(t)
+                order.append(t)
+            else:
+                goto[s][c] = goto[fail[s]][c] if s else 0
+    return goto, ends
+
+
 class Nfa:
     """A pattern compiled (see the module docstring); `ValueError` if refused.
 
@@ -355,13 +449,13 @@ class Nfa:
     that the start reaches without reading; `anchored`: the pattern began with ^."""
 
     def __init__(self, pattern: str, *, param: str, max_states: int, end_anchor: bool = False,
-                 max_chars: int = MAX_PATTERN_CHARS, json_groups: bool = False) -> None:  # fmt: skip
+                 max_chars: int = MAX_PATTERN_CHARS, extensions: bool = False) -> None:  # fmt: skip
         if not pattern:
             raise ValueError(f"{param} must not be empty")
         if len(pattern) > max_chars:
             raise ValueError(f"{param} is limited to {max_chars} characters")
         self.pattern = pattern
-        self.anchored, tree = _Parser(pattern, param, end_anchor, json_groups).parse()
+        self.anchored, tree = _Parser(pattern, param, end_anchor, extensions).parse()
         b = _Builder(param, max_states)
         self.accept = b.new()
         self.start = b.build(tree, self.accept)

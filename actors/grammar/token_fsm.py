@@ -41,7 +41,7 @@ def constraint_nfa(pattern: str) -> Nfa:
     """The NFA of a constraint's pattern (matched whole, JSON string groups allowed);
     ValueError if refused."""
     return Nfa(pattern, param="regex", max_states=MAX_NFA_STATES, end_anchor=True,
-               max_chars=MAX_REGEX_CHARS, json_groups=True)  # fmt: skip
+               max_chars=MAX_REGEX_CHARS, extensions=True)  # fmt: skip
 
 
 class TokenVocab:

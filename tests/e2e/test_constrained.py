@@ -1,5 +1,6 @@
 """Constrained decoding end to end on the real server and model: `regex`,
-`json_schema` and `ebnf` (SGLang's /generate, and `ebnf` as an extra field of chat), `response_format` json_schema and json_object
+`json_schema`, `ebnf` and `structural_tag` (SGLang's /generate, and as extra fields or
+response_format types of chat), `response_format` json_schema and json_object
 through the `openai` client; the output matches whole or parses, streamed or not; the
 forms that are not supported are 400s that name their parameter."""
 
@@ -117,13 +118,39 @@ def test_generate_and_chat_with_an_ebnf_grammar_derive_a_sentence_of_it(server, 
     assert r.choices[0].finish_reason == "stop"
 
 
+def test_chat_with_a_structural_tag_answers_in_prose_or_well_formed_calls(client, model):
+    from shunter.actors.grammar.json_schema import schema_regex
+
+    schema = {"type": "object", "required": ["city"],
+              "properties": {"city": {"type": "string", "maxLength": 20}}}  # fmt: skip
+    tag = {"type": "structural_tag", "triggers": ["<function="], "structures": [
+        {"begin": "<function=get_weather>", "schema": schema, "end": "</function>"}]}  # fmt: skip
+    r = client.chat.completions.create(
+        model=model, temperature=0, max_tokens=48, response_format=tag,
+        messages=[{"role": "user", "content": "Call <function=get_weather> for Paris."}],
+    )  # fmt: skip
+    text = r.choices[0].message.content
+    free = r"(?:(?!<function=)[\s\S])*"
+    call = re.escape("<function=get_weather>") + schema_regex(schema) + re.escape("</function>")
+    if r.choices[0].finish_reason == "stop":
+        assert re.fullmatch(f"{free}(?:{call}{free})*", text), text
+    else:  # cut by max_tokens: what came is a prefix of such a text
+        import regex
+
+        assert regex.fullmatch(f"{free}(?:{call}{free})*", text, partial=True), text
+
+
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
         ({"regex": "a(?=b)"}, None, "lookaround"),
         ({"json_schema": {"type": "string", "pattern": "a(?=b)"}}, "json_schema", "lookaround"),
         ({"ebnf": "root ::= 'a' b"}, "ebnf", "not defined"),
-        ({"structural_tag": {"type": "structural_tag"}}, "structural_tag", "not supported"),
+        (
+            {"structural_tag": {"type": "structural_tag", "triggers": ["<f"]}},
+            "structural_tag",
+            "structures",
+        ),
         ({"regex": "a", "json_schema": {"type": "integer"}}, "json_schema", "at most one"),
         ({"response_format": {"type": "xml"}}, "response_format", "xml"),
     ],

@@ -61,7 +61,7 @@ def _assert_error(r, status, param=None, code=None, words=None):
         ("/v1/completions", {"prompt": "x", "n": 3, "best_of": 2}, 400, "best_of", None),
         ("/v1/completions", {"prompt": "x", "ebnf": "root ::= a"}, 400, "ebnf", "not defined"),
         ("/v1/completions", {"prompt": "x", "structural_tag": {}}, 400, "structural_tag",
-         "not supported"),
+         "triggers"),
         ("/v1/completions", {"prompt": "x", "json_schema": {"type": "object", "patternProperties": {}}}, 400,
          "json_schema", "patternProperties"),
         ("/generate", {"text": "x", "sampling_params": {"json_schema": "[1]"}}, 400, "json_schema", None),

@@ -89,3 +89,30 @@ def test_a_regex_without_token_texts_fails_the_step_that_opens_it(tmp_path):
     params = msgspec.structs.replace(GREEDY, regex="a+")
     res = core.step(b.batch([(0, [5, 6])], opens=[(0, "r", params, 1)]))
     assert res.error is not None and "regex" in res.error
+
+
+def test_a_structural_tag_lets_text_run_free_and_holds_each_call_to_its_shape(core):
+    """Trigger "x": free text has no "x"; after one, "y", a digit (the schema: an
+    integer 0..9) and "z" must follow. Sampled at temperature 1, the output is always
+    a prefix of such a text."""
+    from shunter.actors.grammar.structural_tag import structural_tag_regex
+
+    spec = {"triggers": ["x"], "structures": [
+        {"begin": "xy", "schema": {"type": "integer", "minimum": 0, "maximum": 9}, "end": "z"}]}  # fmt: skip
+    pattern = structural_tag_regex(spec)
+    shape = "[^x]*(?:xy[0-9]z[^x]*)*"
+    builder = Builder()
+    x = TEXTS.index("x")
+    sampling = msgspec.structs.replace(GREEDY, temperature=1.0, logit_bias={x: 6.0})
+    texts = []
+    for seed in range(4):
+        tokens = _decode(core, builder, pattern, seed, 16, sampling=sampling)
+        text = ""
+        for t in tokens:
+            if t == EOS:
+                assert regex.fullmatch(shape, text), text
+                break
+            text += TEXTS[t]
+            assert regex.fullmatch(shape, text, partial=True), text
+        texts.append(text)
+    assert any("xy" in t for t in texts), texts  # the bias on "x" opened calls

@@ -325,10 +325,16 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--enable-lora", "--lora-paths"): "LoRA adapters are not supported yet",
     ("--speculative-algorithm",): "speculative decoding is not supported yet",
     ("--enable-dp-attention",): "data-parallel attention is not supported yet",
-    ("--enable-hierarchical-cache", "--hicache-ratio", "--hicache-size", "--hicache-write-policy",
-     "--hicache-io-backend", "--hicache-mem-layout", "--hicache-storage-backend",
-     "--hicache-storage-prefetch-policy"): "the host-memory KV tier (hierarchical cache) is "
-    "not supported yet",
+    (
+        "--enable-hierarchical-cache",
+        "--hicache-ratio",
+        "--hicache-size",
+        "--hicache-write-policy",
+        "--hicache-io-backend",
+        "--hicache-mem-layout",
+        "--hicache-storage-backend",
+        "--hicache-storage-prefetch-policy",
+    ): "the host-memory KV tier (hierarchical cache) is not supported yet",
     ("--attention-context-parallel-size", "--attn-cp-size"): "context parallelism is not "
     "supported yet",
     ("--moe-data-parallel-size", "--moe-dp-size"): "MoE models are not supported yet",

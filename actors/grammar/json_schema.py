@@ -371,15 +371,22 @@ class _Converter:
             self.refs.pop()
 
 
+def json_object_arg(value: Any, name: str) -> dict:
+    """A parameter given as a JSON object or as its text, as a dict; ValueError naming
+    `name` otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object")
+    return value
+
+
 def schema_regex(schema: dict | str) -> str:
     """The pattern of the JSON values `schema` describes (module docstring)."""
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"json_schema is not valid JSON: {e}") from None
-    if not isinstance(schema, dict):
-        raise ValueError("json_schema must be a JSON object")
+    schema = json_object_arg(schema, "json_schema")
     from shunter.actors.grammar.ebnf import unroll
 
     def write(levels: int) -> str | None:

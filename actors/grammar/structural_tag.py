@@ -16,11 +16,10 @@ names what is wrong.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
-from shunter.actors.grammar.json_schema import schema_regex
+from shunter.actors.grammar.json_schema import json_object_arg, schema_regex
 
 
 def _fail(why: str) -> ValueError:
@@ -30,13 +29,7 @@ def _fail(why: str) -> ValueError:
 def structural_tag_regex(spec: dict[str, Any] | str) -> str:
     """The pattern of outputs the structural tag `spec` allows (module docstring):
     {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}, "type" ignored."""
-    if isinstance(spec, str):
-        try:
-            spec = json.loads(spec)
-        except json.JSONDecodeError as e:
-            raise _fail(f"not valid JSON: {e}") from None
-    if not isinstance(spec, dict):
-        raise _fail("must be a JSON object with structures and triggers")
+    spec = json_object_arg(spec, "structural_tag")
     structures, triggers = spec.get("structures"), spec.get("triggers")
     if not isinstance(triggers, list) or not triggers:
         raise _fail("triggers must be a non-empty list of strings")

@@ -49,7 +49,7 @@ def test_the_free_text_group_takes_exactly_the_texts_without_a_word(words):
         ({"triggers": ["<f"], "structures": []}, "structures"),
         ({"triggers": ["<f"], "structures": [{"begin": "[x]", "schema": {}, "end": ""}]}, "none of the triggers"),
         ({"triggers": ["<f"], "structures": [{"begin": "<f>", "schema": {"type": "date"}}]}, "unknown type"),
-        ("{nope", "not valid JSON"),
+        ("{nope", "structural_tag is not valid JSON"),
     ],
 )  # fmt: skip
 def test_malformed_specs_are_refused_with_the_reason(spec, words):

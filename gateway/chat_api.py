@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import msgspec
 from aiohttp import web
 
 from shunter.bus.messages import ChatMessage, GenerateRequest
@@ -34,8 +33,8 @@ from shunter.gateway.validation import (
     check_model,
     check_n,
     check_tools,
+    constrain_to_calls,
     decode_body,
-    forced_call,
     generation_prompt,
     sampling_from,
     tool_parser,
@@ -73,17 +72,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return_logprob=req.logprobs,
         top_logprobs_num=num_top,
     )
-    forced = forced_call(req.tool_choice)
-    if forced is not None and parser is not None:  # the answer must be the call(s)
-        if sampling.regex:
-            raise bad_request("a required or named tool call cannot be combined with regex, "
-                              "json_schema or response_format", param="tool_choice")  # fmt: skip
-        try:
-            call_regex = tool_calls.forced_regex(parser, tools, forced or None,
-                                                 many=req.parallel_tool_calls is not False)  # fmt: skip
-        except ValueError as e:
-            raise bad_request(str(e), param="tool_choice") from None
-        sampling = msgspec.structs.replace(sampling, regex=call_regex)
+    sampling = constrain_to_calls(
+        sampling,
+        req.tool_choice,
+        parser,
+        tools,
+        req.parallel_tool_calls,
+        "regex, json_schema or response_format",
+    )
     ctx.engine.check_available()
     base_id = req.rid or new_id("chatcmpl-")
     now_ns = time.monotonic_ns()

@@ -3,7 +3,9 @@
 Input: `input` (a string, or a list of items: messages, function calls and their
 outputs; responses_items.py), `instructions` (a system message ahead of them),
 `max_output_tokens`, `temperature`, `top_p`, `stream`, `metadata`, `user`, `tools`
-(function tools, with `--tool-call-parser`; `tool_choice` "auto" or "none"), and the
+(function tools, with `--tool-call-parser`; `tool_choice` "auto", "none", "required"
+or {"type": "function", "name": ...}, the last two constraining the answer to calls as
+chat's do, one only with `parallel_tool_calls` false), and the
 sampling extensions the chat endpoint takes (`top_k`, `seed`, `stop`, ...). The
 answer is a `response` object whose `output` is an assistant message of one
 `output_text` part, then a `function_call` item per call the answer made (the message
@@ -60,6 +62,7 @@ from shunter.gateway.validation import (
     SamplingFields,
     check_max_tokens,
     check_model,
+    constrain_to_calls,
     constraint_regex,
     decode_body,
     sampling_from,
@@ -200,12 +203,20 @@ class _Shape:
             "incomplete_details": incomplete, "instructions": r.instructions,
             "max_output_tokens": r.max_output_tokens, "temperature": r.temperature,
             "top_p": r.top_p, "metadata": r.metadata or {}, "user": r.user, "store": r.store,
-            "parallel_tool_calls": False, "tools": r.tools or [],
+            "parallel_tool_calls": r.parallel_tool_calls is not False, "tools": r.tools or [],
             "tool_choice": r.tool_choice or ("auto" if r.tools else "none"),
             "text": _text_echo(r.text), "truncation": "disabled",
             "previous_response_id": r.previous_response_id, "reasoning": None,
             "background": False,
         }  # fmt: skip
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    """The Responses API's named-function choice, {"type": "function", "name": ...}, in
+    chat's shape ({"type": "function", "function": {"name": ...}}); others as they are."""
+    if isinstance(choice, dict) and "function" not in choice and "name" in choice:
+        return {"type": choice.get("type", "function"), "function": {"name": choice["name"]}}
+    return choice
 
 
 @routes.post("/v1/responses")
@@ -214,7 +225,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
     req = decode_body(await read_body(request), ResponsesRequest)
     check_model(req.model, ctx.config.served_model_name)
     _refuse_unsupported(req)
-    parser = tool_parser(req.tools, req.tool_choice, ctx.config.tool_call_parser)
+    choice = _chat_tool_choice(req.tool_choice)
+    parser = tool_parser(req.tools, choice, ctx.config.tool_call_parser, forced_ok=True)
     tools = chat_tools(req.tools or []) if parser else []
     store = request.app[STORE]
     before: list[ChatMessage] = []
@@ -237,6 +249,9 @@ async def responses(request: web.Request) -> web.StreamResponse:
     if fmt is not None and fmt.type != "text":  # structured output: the answer is constrained
         regex = constraint_regex(req, fmt, "text")
         sampling = msgspec.structs.replace(sampling, regex=regex)
+    sampling = constrain_to_calls(
+        sampling, choice, parser, tools, req.parallel_tool_calls, "a text.format"
+    )
     ctx.engine.check_available()
     shape = _Shape(req, ctx.config.served_model_name)
     gen = GenerateRequest(shape.id, sampling, messages=messages, stream=req.stream,

@@ -456,6 +456,29 @@ def forced_call(tool_choice: Any) -> str | None:
     return fn["name"]
 
 
+def constrain_to_calls(sampling: SamplingParams, tool_choice: Any, parser: str | None,
+                       tools: list[dict[str, Any]], parallel_tool_calls: bool | None,
+                       other: str) -> SamplingParams:  # fmt: skip
+    """`sampling` with the answer constrained to calls in the parser's format when
+    tool_choice asks for a required or named call (tool_calls.forced_regex; exactly
+    one with parallel_tool_calls false); 400 where another constraint (`other`) is
+    given too or the calls cannot be written so."""
+    forced = forced_call(tool_choice)
+    if forced is None or parser is None:
+        return sampling
+    if sampling.regex:
+        raise bad_request(f"a required or named tool call cannot be combined with {other}",
+                          param="tool_choice")  # fmt: skip
+    from shunter.gateway import tool_calls
+
+    try:
+        call_regex = tool_calls.forced_regex(parser, tools, forced or None,
+                                             many=parallel_tool_calls is not False)  # fmt: skip
+    except ValueError as e:
+        raise bad_request(str(e), param="tool_choice") from None
+    return msgspec.structs.replace(sampling, regex=call_regex)
+
+
 def check_tools(tools: list[Any]) -> list[dict[str, Any]]:
     """OpenAI function tools, each {type: "function", function: {name, ...}}."""
     for i, t in enumerate(tools):

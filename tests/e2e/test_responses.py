@@ -137,7 +137,7 @@ def test_a_json_schema_text_format_constrains_the_answer(client, model):
         ({"input": [{"role": 5, "content": "hi"}]}, "messages[0].role"),
         ({"input": ["hi"]}, "input[0]"),
         ({"input": [{"role": "user", "content": {"a": 1}}]}, "input[0].content"),
-        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),  # no tools to call
         ({"n": 2}, "n"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
     ],

@@ -9,7 +9,8 @@ import json
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {}}}}]  # fmt: skip
-CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}}
+CITY = {"type": "object", "required": ["city"],
+        "properties": {"city": {"type": "string", "maxLength": 20}}}  # fmt: skip
 CITY_TOOLS = [{"type": "function", "function": {"name": n, "parameters": CITY}}
               for n in ("get_weather", "get_time")]  # fmt: skip
 
@@ -50,3 +51,17 @@ def test_tools_need_the_parser_and_run_with_it(server, start_server, call, tmp_p
             assert isinstance(args["city"], str) and len(args["city"]) <= 20
             if extra:
                 assert [c["function"]["name"] for c in calls] == ["get_time"]
+        # the Responses API takes the same choices (a named one in its own shape)
+        resp_tools = [{"type": "function", "name": t["function"]["name"],
+                       "parameters": CITY} for t in CITY_TOOLS]  # fmt: skip
+        for choice in ("required", {"type": "function", "name": "get_time"}):
+            status, out = call(s, "/v1/responses", {
+                "input": "Weather in Paris?", "tools": resp_tools, "tool_choice": choice,
+                "parallel_tool_calls": False, "max_output_tokens": 64, "temperature": 0})  # fmt: skip
+            assert status == 200, out
+            items = [o for o in out["output"] if o["type"] == "function_call"]
+            assert len(items) == 1 and items[0]["name"] in ("get_weather", "get_time"), out
+            assert isinstance(json.loads(items[0]["arguments"])["city"], str)
+            if isinstance(choice, dict):
+                assert items[0]["name"] == "get_time"
+            assert out["parallel_tool_calls"] is False

@@ -188,7 +188,7 @@ class CacheManagerCore:
         limit = min(len(key), req.max_match)
         if self.config.disable_radix_cache or limit < self.page_size:
             return Matched(req.tokenized, 0, [], self.tree.version)
-        found = self.tree.match(req.tokenized.extra_key, key[:limit])
+        found = self.tree.match(req.tokenized.extra_key, key[:limit], hit=True)
         self.tree.lock(found.node)
         req.node = found.node
         self._num_hit += found.num_tokens

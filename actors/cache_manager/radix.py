@@ -69,7 +69,7 @@ class Node:
         self.children: dict[int | tuple[int, ...], Node] = {}
         self.lock_ref = 0
         self.last_access = 0
-        self.hit_count = 0  # matches that reached through it, and its own insert
+        self.hit_count = 0  # request lookups that reached through it, and its own insert
 
     @property
     def is_root(self) -> bool:
@@ -152,9 +152,11 @@ class RadixTree:
                 hi = mid
         return lo
 
-    def match(self, namespace: str, tokens: list[int], *, split: bool = True) -> MatchResult:
+    def match(self, namespace: str, tokens: list[int], *, split: bool = True,
+              hit: bool = False) -> MatchResult:  # fmt: skip
         """Longest cached page-aligned prefix of tokens. With split, an edge the match
-        ends inside is split so that the result's node ends exactly at the match."""
+        ends inside is split so that the result's node ends exactly at the match. With
+        hit, a request's lookup: each node it reaches counts one more hit (LFU)."""
         ps = self.page_size
         end = len(tokens) - len(tokens) % ps
         node = self.roots.get(namespace)
@@ -171,13 +173,13 @@ class RadixTree:
             if m < len(child.key):
                 if not split:
                     child.last_access = now
-                    child.hit_count += 1
+                    child.hit_count += hit
                     pages += child.pages[: m // ps]
                     pos += m
                     break
                 child = self._split(child, m)
             child.last_access = now
-            child.hit_count += 1
+            child.hit_count += hit
             pages += child.pages
             pos += m
             node = child

@@ -111,8 +111,10 @@ def test_lfu_eviction_takes_the_least_often_matched_first_then_the_least_recent(
         t.insert("", tokens, [10 * now, 10 * now + 1])
     t.now = 4
     for _ in range(3):
-        t.match("", [1, 1])  # the oldest, matched most: it stays longest
-    t.match("", [3, 3])
+        t.match("", [1, 1], hit=True)  # the oldest, matched most: it stays longest
+    t.match("", [3, 3], hit=True)
+    t.match("", [2, 2])  # a lookup that is no request's (a release's check): no hit
+    t.insert("", [2, 2], [20, 21])  # nor is inserting what is there
     assert [e.pages for e in t.evict(1)] == [[20, 21]]  # [2, 2]: one hit (its insert)
     assert [e.pages for e in t.evict(1)] == [[30, 31]]  # [3, 3]: two hits
     assert [e.pages for e in t.evict(1)] == [[10, 11]]

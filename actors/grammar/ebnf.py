@@ -26,6 +26,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from shunter.actors.grammar.regex import MAX_CONSTRAINT_CHARS, PatternTooLarge
+
 MAX_RECURSION = 3  # a rule is expanded at most this many times inside itself
 MAX_GRAMMAR_CHARS = 20_000
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
@@ -217,7 +219,16 @@ class _Writer:
         self.stack: list[str] = []
 
     def write(self, node: tuple) -> str | None:
-        """Node's pattern; None where nothing fits within the recursion bound."""
+        """Node's pattern; None where nothing fits within the recursion bound.
+        PatternTooLarge as soon as a part passes MAX_CONSTRAINT_CHARS (a rule used
+        twice in each of a chain of rules would double it at every link)."""
+        pattern = self._write(node)
+        if pattern is not None and len(pattern) > MAX_CONSTRAINT_CHARS:
+            raise PatternTooLarge(f"ebnf: the grammar's pattern passes {MAX_CONSTRAINT_CHARS} "
+                                  "characters")  # fmt: skip
+        return pattern
+
+    def _write(self, node: tuple) -> str | None:
         kind = node[0]
         if kind == "lit":
             return re.escape(node[1])
@@ -294,7 +305,11 @@ def unroll(write: Callable[[int], str | None], what: str) -> str:
 
     too_large = None
     for levels in range(MAX_RECURSION, -1, -1):
-        pattern = write(levels)
+        try:
+            pattern = write(levels)
+        except PatternTooLarge as e:
+            too_large = e
+            continue
         if pattern is None:
             break
         if pattern == "":

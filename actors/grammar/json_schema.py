@@ -40,6 +40,8 @@ import json
 import re
 from typing import Any
 
+from shunter.actors.grammar.regex import MAX_CONSTRAINT_CHARS, PatternTooLarge
+
 MAX_DEPTH = 16
 JSON_OBJECT_DEPTH = 2
 ANY_DEPTH = 1
@@ -222,7 +224,15 @@ class _Converter:
 
     def value(self, node: Any, depth: int) -> str | None:
         """The pattern of node's values; None where none fits within the recursion
-        bound (a reference already expanded max_recursion times inside itself)."""
+        bound (a reference already expanded max_recursion times inside itself).
+        PatternTooLarge as soon as a part passes MAX_CONSTRAINT_CHARS."""
+        pattern = self._value(node, depth)
+        if pattern is not None and len(pattern) > MAX_CONSTRAINT_CHARS:
+            raise PatternTooLarge(f"json_schema: the schema's pattern passes "
+                                  f"{MAX_CONSTRAINT_CHARS} characters")  # fmt: skip
+        return pattern
+
+    def _value(self, node: Any, depth: int) -> str | None:
         if depth > MAX_DEPTH:
             raise self.fail(f"nested deeper than {MAX_DEPTH} levels")
         if node is True:

@@ -32,6 +32,15 @@ from collections.abc import Callable
 
 MAX_PATTERN_CHARS = 1000
 MAX_REPEAT = 1000
+MAX_CONSTRAINT_CHARS = (
+    200_000  # what a schema or grammar becomes may be long; states bound the work
+)
+
+
+class PatternTooLarge(ValueError):
+    """A pattern written from a schema or grammar passed MAX_CONSTRAINT_CHARS (json_schema.py
+    and ebnf.py stop as soon as a part of it does, so no input makes them run long)."""
+
 
 Pred = Callable[[str], bool]
 

@@ -28,12 +28,12 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from shunter.actors.grammar.regex import Nfa
+from shunter.actors.grammar.regex import MAX_CONSTRAINT_CHARS, Nfa
 
 DEAD, _UNKNOWN = -1, -2
 MAX_DFA_STATES = 4096  # per pattern, met while reading: past it a row may only end (allowed)
 MAX_NFA_STATES = 8000  # json_object()'s NFA has about 5,100
-MAX_REGEX_CHARS = 200_000  # what a schema becomes may be long; the states bound the work
+MAX_REGEX_CHARS = MAX_CONSTRAINT_CHARS
 
 
 @functools.lru_cache(maxsize=128)

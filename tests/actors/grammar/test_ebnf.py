@@ -90,3 +90,13 @@ def test_a_grammar_too_large_to_unroll_fully_is_unrolled_less():
 def test_malformed_grammars_are_refused_with_where_and_why(grammar, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         ebnf_regex(grammar)
+
+
+def test_a_grammar_that_doubles_at_every_rule_is_refused_quickly():
+    import time
+
+    bomb = "root ::= a1\n" + "".join(f"a{i} ::= a{i + 1} a{i + 1}\n" for i in range(1, 40))
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="passes"):
+        ebnf_regex(bomb + 'a40 ::= "x"\n')
+    assert time.monotonic() - start < 10  # 2**39 copies were never written

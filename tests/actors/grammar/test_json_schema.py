@@ -223,3 +223,15 @@ def test_what_a_schema_leaves_free_is_any_json_nested_a_bounded_depth():
 def test_unsupported_or_malformed_schemas_are_refused(schema, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         schema_regex(schema)
+
+
+def test_a_schema_that_fans_out_at_every_level_is_refused_quickly():
+    import time
+
+    defs = {f"d{i}": {"type": "object", "properties": {
+        k: {"$ref": f"#/$defs/d{i + 1}"} for k in "abcdefghij"}} for i in range(5)}  # fmt: skip
+    defs["d5"] = {"type": "integer"}
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="passes"):
+        schema_regex({"$defs": defs, "$ref": "#/$defs/d0"})
+    assert time.monotonic() - start < 10  # 10**5 integers were never written

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from shunter.actors.grammar.regex import MAX_CONSTRAINT_CHARS, PatternTooLarge
 
 MAX_RECURSION = 3  # a rule is expanded at most this many times inside itself
+MAX_INLINE_DEPTH = 64  # rules inlined inside each other, at most
 MAX_GRAMMAR_CHARS = 20_000
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 _RULE_START = re.compile(r"(?m)^[ \t]*([A-Za-z_][A-Za-z0-9_.-]*)[ \t]*::=")
@@ -243,6 +244,10 @@ class _Writer:
             name = node[1]
             if self.stack.count(name) > self.max_recursion:
                 return None
+            if len(self.stack) >= MAX_INLINE_DEPTH:
+                raise ValueError(
+                    f"ebnf: rules refer to each other more than {MAX_INLINE_DEPTH} deep"
+                )
             self.stack.append(name)
             try:
                 return self.write(self.rules[name])

@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 MAX_PATTERN_CHARS = 1000
 MAX_REPEAT = 1000
+MAX_GROUP_DEPTH = 100  # groups nested deeper are refused (the parser and builder recurse)
 MAX_CONSTRAINT_CHARS = (
     200_000  # what a schema or grammar becomes may be long; states bound the work
 )
@@ -75,9 +76,11 @@ class _Parser:
         self.param = param
         self.end_anchor = end_anchor  # a final "$" is allowed (a whole-text match)
         self.extensions = extensions  # (?J:...) and (?A:...) are allowed (the module docstring)
+        self.depth = 0  # groups open at this point
 
     def fail(self, why: str) -> ValueError:
-        return ValueError(f"{self.param} {self.p!r}: {why} (at offset {self.i})")
+        shown = self.p if len(self.p) <= 80 else self.p[:60] + "..."
+        return ValueError(f"{self.param} {shown!r}: {why} (at offset {self.i})")
 
     def peek(self) -> str | None:
         return self.p[self.i] if self.i < len(self.p) else None
@@ -149,6 +152,8 @@ class _Parser:
     def atom(self) -> tuple:
         c = self.take()
         if c == "(":
+            if self.depth >= MAX_GROUP_DEPTH:
+                raise self.fail(f"groups are nested more than {MAX_GROUP_DEPTH} deep")
             json_group = False
             if self.peek() == "?":
                 self.i += 1
@@ -170,7 +175,9 @@ class _Parser:
                     raise self.fail("lookaround assertions are not supported")
                 else:
                     raise self.fail("inline flags and other (?...) groups are not supported")
+            self.depth += 1
             node = self.alt()
+            self.depth -= 1
             if self.peek() != ")":
                 raise self.fail("missing ')'")
             self.i += 1

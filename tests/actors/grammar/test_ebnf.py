@@ -100,3 +100,15 @@ def test_a_grammar_that_doubles_at_every_rule_is_refused_quickly():
     with pytest.raises(ValueError, match="passes"):
         ebnf_regex(bomb + 'a40 ::= "x"\n')
     assert time.monotonic() - start < 10  # 2**39 copies were never written
+
+
+def test_deep_nesting_is_a_clear_error_not_a_recursion_error():
+    from shunter.actors.grammar.regex import Nfa
+
+    with pytest.raises(ValueError, match="nested more than"):
+        constraint_nfa("(" * 3000 + "a" + ")" * 3000)
+    with pytest.raises(ValueError, match="nested more than"):
+        Nfa("(" * 450 + "a" + ")" * 450, param="stop_regex", max_states=500)
+    chain = "".join(f"b{i} ::= b{i + 1}\n" for i in range(1, 1300))
+    with pytest.raises(ValueError, match="refer to each other more than"):
+        ebnf_regex("root ::= b1\n" + chain + 'b1300 ::= "x"\n')

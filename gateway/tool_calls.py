@@ -11,7 +11,8 @@ Formats (PARSERS):
   from the text) and a JSON array of `{"name": ..., "arguments": {...}}`.
 - "pythonic" (Llama 3.2/4 and others): the whole answer is a Python list of calls with
   keyword arguments, `[get_weather(city="Paris"), now()]`, read with `ast` (literals
-  only: nothing is evaluated).
+  only: nothing is evaluated); a forced call's arguments are Python literals of its
+  schema (json_schema.keyword_args_regex).
 
 Theory of operation: `parse` reads a finished answer into (content, calls). A call
 whose JSON does not parse, or lacks a name, leaves the whole answer as content with
@@ -219,15 +220,25 @@ def forced_regex(parser: str, tools: list[dict[str, Any]], name: str | None, *,
     calls of any of the tools (tool_choice "required", name None; exactly one unless
     `many`) or one call of the function `name`. ValueError for what cannot be written
     so."""
-    from shunter.actors.grammar.json_schema import schema_regex
+    from shunter.actors.grammar.json_schema import keyword_args_regex, schema_regex
 
     fns = [t["function"] for t in tools]
     if name is not None:
         fns = [f for f in fns if f["name"] == name]
         if not fns:
             raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
-    if parser == "pythonic":
-        raise ValueError("a required or named call is not supported with the pythonic parser")
+    if parser == "pythonic":  # [name(key=value, ...), ...] with Python literals
+        pycalls = []
+        for f in fns:
+            try:
+                args = keyword_args_regex(
+                    f.get("parameters") or {"type": "object", "properties": {}}
+                )
+            except ValueError as e:
+                raise ValueError(f"function {f['name']!r}: {e}") from None
+            pycalls.append(re.escape(f["name"]) + r"\(" + args + r"\)")
+        one = pycalls[0] if len(pycalls) == 1 else "(?:" + "|".join(pycalls) + ")"
+        return r"\[" + one + (r"(?:,[ ]?" + one + ")*" if many and name is None else "") + r"\]"
     key = "parameters" if parser == "llama3" else "arguments"
     calls = []
     for f in fns:

@@ -301,7 +301,7 @@ def ebnf_regex(grammar: str, root: str = "root") -> str:
                   f"ebnf: {root!r}")  # fmt: skip
 
 
-def unroll(write: Callable[[int], str | None], what: str) -> str:
+def unroll(write: Callable[[int], str | None], what: str, *, empty_ok: bool = False) -> str:
     """The pattern write(levels) gives for the most levels of recursion, from
     MAX_RECURSION down, whose automaton is within the constraint's limit of states;
     ValueError if none ends or fits. (json_schema.py unrolls its references the same
@@ -318,6 +318,8 @@ def unroll(write: Callable[[int], str | None], what: str) -> str:
         if pattern is None:
             break
         if pattern == "":
+            if empty_ok:
+                return pattern
             raise ValueError(f"{what} derives only the empty text")
         if levels == MAX_RECURSION and write(levels - 1) == pattern:
             return pattern  # nothing recurs: its size is the tokenizer's to check

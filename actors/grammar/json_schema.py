@@ -23,6 +23,11 @@ brackets, so what is free nests a bounded number of objects or arrays: `json_obj
 its top alike (`{}` is such a value, `{"type": "object"}` is `json_object()`); a free
 value or container inside a schema nests ANY_DEPTH levels, itself counted.
 
+Values are spelled as JSON, or (the PYTHON dialect, `keyword_args_regex`) as Python
+literals: True, False and None, the keyword arguments of a call `name=value, ...` in
+place of an object's members (pythonic tool calls); strings, numbers, lists and dicts
+are written alike in both.
+
 A reference (`#` for the whole schema) may recur: it is expanded up to ebnf.py's
 MAX_RECURSION times inside itself (fewer where the automaton would pass the
 constraint's limit of states), and below that only what can do without it is kept: a property that is
@@ -38,34 +43,61 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
+from shunter.actors.grammar.lexical import FORMATS, FRACTION, alt, bounds, integers, numbers
 from shunter.actors.grammar.regex import MAX_CONSTRAINT_CHARS, PatternTooLarge
 
 MAX_DEPTH = 16
 JSON_OBJECT_DEPTH = 2
 ANY_DEPTH = 1
-MAX_DIGITS = 18  # integers and integer parts have at most this many digits
 _SPACE = "[ ]?"
-_STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
 _INTEGER = r"-?(?:0|[1-9][0-9]{0,17})"
-_FRACTION = r"\.[0-9]{1,17}"
-_NUMBER = _INTEGER + f"(?:{_FRACTION})?" + r"(?:[eE][+-]?[0-9]{1,3})?"
-_SCALARS = {
-    "string": f'"{_STRING_CHAR}*"',
-    "integer": _INTEGER,
-    "number": _NUMBER,
-    "boolean": "(?:true|false)",
-    "null": "null",
-}
+_NUMBER = _INTEGER + f"(?:{FRACTION})?" + r"(?:[eE][+-]?[0-9]{1,3})?"
 
 
-def _literal(value: Any) -> str:
-    return re.escape(json.dumps(value, ensure_ascii=False))
+def _python_text(value: Any) -> str:
+    """A JSON value as a Python literal (True, False, None; strings, numbers, lists and
+    dicts written as json.dumps writes them, which Python reads alike)."""
+    if value is True or value is False or value is None:
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_python_text, value)) + "]"
+    if isinstance(value, dict):
+        items = (
+            json.dumps(k, ensure_ascii=False) + ": " + _python_text(v) for k, v in value.items()
+        )
+        return "{" + ", ".join(items) + "}"
+    return json.dumps(value, ensure_ascii=False)
 
 
-def _alt(parts: list[str]) -> str:
-    return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
+class Dialect(NamedTuple):
+    """How values are spelled: JSON, or the Python literals of pythonic tool calls."""
+
+    string_char: str  # one character of a string's content, escapes included
+    true: str
+    false: str
+    null: str
+    text: Callable[[Any], str]  # a value's text
+
+    def literal(self, value: Any) -> str:
+        return re.escape(self.text(value))
+
+    @property
+    def string(self) -> str:
+        return f'"{self.string_char}*"'
+
+    def scalar(self, kind: str) -> str | None:
+        return {"string": self.string, "integer": _INTEGER, "number": _NUMBER,
+                "boolean": f"(?:{self.true}|{self.false})", "null": self.null}.get(kind)  # fmt: skip
+
+
+JSON = Dialect(r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})', "true", "false", "null",
+               lambda v: json.dumps(v, ensure_ascii=False))  # fmt: skip
+PYTHON = Dialect(r'(?:[^"\\\x00-\x1f]|\\["\\bfnrt]|\\u[0-9a-fA-F]{4})', "True", "False", "None",
+                 _python_text)  # fmt: skip
+_alt = alt
 
 
 def _alt_some(parts: list[str | None]) -> str | None:
@@ -74,149 +106,11 @@ def _alt_some(parts: list[str | None]) -> str | None:
     return _alt(kept) if kept else None
 
 
-_DATE = r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"
-_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\.[0-9]{1,9})?(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
-_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
-_H16 = r"[0-9A-Fa-f]{1,4}"
-
-
-def _some(parts: list[str]) -> str:
-    """One or more of `parts`, in their order."""
-    return _alt(
-        [parts[i] + "".join(f"(?:{p})?" for p in parts[i + 1 :]) for i in range(len(parts))]
-    )
-
-
-_SECONDS = _some(["[0-9]{1,9}H", "[0-9]{1,9}M", r"[0-9]{1,9}(?:\.[0-9]{1,9})?S"])
-_FORMATS = {  # the string formats of JSON Schema's validation vocabulary that we shape
-    "date-time": _DATE + r"[Tt ]" + _TIME,
-    "date": _DATE,
-    "time": _TIME,
-    "duration": "P(?:[0-9]{1,9}W|" + _some(["[0-9]{1,9}Y", "[0-9]{1,9}M", "[0-9]{1,9}D"])
-                + "(?:T" + _SECONDS + ")?|T" + _SECONDS + ")",
-    "email": r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]{1,64}(?:\.[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]{1,64}){0,8}"
-             r"@" + _LABEL + r"(?:\." + _LABEL + r"){0,8}",
-    "hostname": _LABEL + r"(?:\." + _LABEL + r"){0,8}",
-    "ipv4": _OCTET + r"(?:\." + _OCTET + r"){3}",
-    "ipv6": "(?:" + "|".join(  # eight groups, or at most seven around one "::"
-        [f"(?:{_H16}:){{7}}{_H16}"]
-        + [(f"(?:{_H16}:){{{i - 1}}}{_H16}" if i else "") + "::"
-           + (f"(?:(?:{_H16}:){{0,{6 - i}}}{_H16})?" if i < 7 else "") for i in range(8)]) + ")",
-    "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
-    "uri": r"[A-Za-z][A-Za-z0-9+.-]{0,31}:[A-Za-z0-9\-._~:/?#\[\]@!$&'()*+,;=%]{1,256}",
-}  # fmt: skip
-
-
-def _digits_between(lo: str, hi: str) -> str:
-    """The decimal strings of one length from lo to hi (lo <= hi, no sign)."""
-    if lo == hi:
-        return lo
-    if len(lo) == 1:
-        return f"[{lo}-{hi}]"
-    if lo[0] == hi[0]:
-        return lo[0] + _digits_between(lo[1:], hi[1:])
-    rest = len(lo) - 1
-    low_full, high_full = lo[1:] == "0" * rest, hi[1:] == "9" * rest
-    first, last = int(lo[0]) + (not low_full), int(hi[0]) - (not high_full)
-    parts = [] if low_full else [lo[0] + _digits_between(lo[1:], "9" * rest)]
-    if first <= last:
-        parts.append(f"[{first}-{last}][0-9]{{{rest}}}")
-    if not high_full:
-        parts.append(hi[0] + _digits_between("0" * rest, hi[1:]))
-    return _alt(parts)
-
-
-def _naturals(lo: int, hi: int | None) -> str:
-    """0 <= lo <= n <= hi (hi None: up to MAX_DIGITS digits), without leading zeros."""
-    top = 10**MAX_DIGITS - 1
-    hi = top if hi is None else min(hi, top)
-    parts = []
-    for n in range(len(str(lo)), len(str(hi)) + 1):
-        a, b = max(lo, 10 ** (n - 1) if n > 1 else 0), min(hi, 10**n - 1)
-        if a <= b:
-            parts.append(_digits_between(str(a), str(b)))
-    return _alt(parts)
-
-
-Bound = tuple[int, bool]  # an integer part and whether it may be reached exactly
-
-
-def _bounds(node: dict) -> tuple[Bound | None, Bound | None]:
-    """A numeric node's lower and upper bounds (None: unbounded) as (integer, reached):
-    between them any value; at an integer bound, the bound itself if `reached`; a
-    bound that is no integer is rounded inward and is reached."""
-    import math
-
-    def bound(inclusive: str, exclusive: str, inward, tighter) -> Bound | None:
-        found = []
-        for key in (inclusive, exclusive):
-            v = node.get(key)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                continue
-            found.append((inward(v), key == inclusive or inward(v) != v))
-        return tighter(found) if found else None
-
-    lo = bound(
-        "minimum", "exclusiveMinimum", math.ceil, lambda b: max(b, key=lambda x: (x[0], not x[1]))
-    )
-    hi = bound(
-        "maximum", "exclusiveMaximum", math.floor, lambda b: min(b, key=lambda x: (x[0], x[1]))
-    )
-    return lo, hi
-
-
-def _integers(lo: Bound | None, hi: Bound | None) -> str | None:
-    """The integers between two bounds, or None where there are none."""
-    a = None if lo is None else lo[0] + (not lo[1])
-    b = None if hi is None else hi[0] - (not hi[1])
-    if a is not None and b is not None and a > b:
-        return None
-    parts = []
-    if b is None or b >= 0:
-        parts.append(_naturals(max(a or 0, 0), b))
-    if a is None or a < 0:
-        parts.append("-" + _naturals(max(-b, 1) if b is not None else 1, None if a is None else -a))
-    return _alt(parts)
-
-
-def _magnitudes(lo: Bound, hi: Bound | None) -> str | None:
-    """Non-negative decimals x (no exponent) with lo <= x <= hi as _bounds reads them:
-    an unreached lower bound needs a fraction that is not all zeros, a reached upper
-    bound may only have zeros after it."""
-    (a, a_in), top = lo, hi
-    b = None if top is None else top[0]
-    if b is not None and (a > b or (a == b and not (a_in and top[1]))):
-        return None
-    parts = []
-    if not a_in:
-        parts.append(f"{a}" + r"\.[0-9]{0,16}[1-9]")
-        a += 1
-    if b is None or a <= b - 1:
-        parts.append(_naturals(a, None if b is None else b - 1) + f"(?:{_FRACTION})?")
-    if b is not None and top[1] and a <= b:
-        parts.append(str(b) + r"(?:\.0{1,17})?")
-    return _alt(parts) if parts else None
-
-
-def _numbers(lo: Bound | None, hi: Bound | None) -> str | None:
-    """The decimals between two bounds (zero or more on each side of 0), or None."""
-    parts = []
-    if hi is None or hi[0] >= 0:
-        pos_lo = lo if lo is not None and lo[0] >= 0 else (0, True)
-        parts.append(_magnitudes(pos_lo, hi))
-    if lo is None or lo[0] < 0:
-        neg_lo = (-hi[0], hi[1]) if hi is not None and hi[0] < 0 else (0, False)
-        neg = _magnitudes(neg_lo, None if lo is None else (-lo[0], lo[1]))
-        parts.append(None if neg is None else "-" + neg)
-    parts = [p for p in parts if p is not None]
-    return _alt(parts) if parts else None
-
-
 class _Converter:
-    def __init__(self, root: dict, max_recursion: int = 3) -> None:
+    def __init__(self, root: dict, max_recursion: int = 3, dialect: Dialect = JSON) -> None:
         self.root = root
         self.max_recursion = max_recursion
+        self.d = dialect
         self.refs: list[str] = ["#"]  # the references being expanded; the root is "#"
 
     def fail(self, why: str) -> ValueError:
@@ -248,11 +142,11 @@ class _Converter:
                 raise self.fail("'allOf' of more than one schema is not supported")
             return self.value(node["allOf"][0], depth + 1)
         if "const" in node:
-            return _literal(node["const"])
+            return self.d.literal(node["const"])
         if "enum" in node:
             if not node["enum"]:
                 raise self.fail("'enum' must not be empty")
-            return _alt([_literal(v) for v in node["enum"]])
+            return _alt([self.d.literal(v) for v in node["enum"]])
         for key in ("anyOf", "oneOf"):
             if key in node:
                 return _alt_some([self.value(n, depth + 1) for n in node[key]])
@@ -278,35 +172,35 @@ class _Converter:
         if kind == "string":
             return self.string(node)
         if kind in ("integer", "number"):
-            lo, hi = _bounds(node)
+            lo, hi = bounds(node)
             if lo is None and hi is None:
-                return _SCALARS[kind]
-            pattern = (_integers if kind == "integer" else _numbers)(lo, hi)
+                return self.d.scalar(kind)
+            pattern = (integers if kind == "integer" else numbers)(lo, hi)
             if pattern is None:
                 raise self.fail(f"no {kind} is within {json.dumps(node)[:80]}")
             return pattern
-        if kind not in _SCALARS:
+        if self.d.scalar(kind) is None:
             raise self.fail(f"unknown type {kind!r}")
-        return _SCALARS[kind]
+        return self.d.scalar(kind)
 
     def free(self, depth: int, *, inside: bool = False) -> str:
         """Any value where a schema says nothing (the module docstring's depths); inside:
         a member of a free object or array at this depth."""
-        return any_value(JSON_OBJECT_DEPTH if depth == 0 else ANY_DEPTH - inside)
+        return any_value(JSON_OBJECT_DEPTH if depth == 0 else ANY_DEPTH - inside, self.d)
 
     def string(self, node: dict) -> str:
         if "pattern" in node:
             return f'"(?J:{self.pattern(node["pattern"])})"'
         if "format" in node:
-            if node["format"] not in _FORMATS:
+            if node["format"] not in FORMATS:
                 raise self.fail(f"format {node['format']!r} is not supported (one of "
-                                f"{', '.join(sorted(_FORMATS))})")  # fmt: skip
-            return f'"(?:{_FORMATS[node["format"]]})"'
+                                f"{', '.join(sorted(FORMATS))})")  # fmt: skip
+            return f'"(?:{FORMATS[node["format"]]})"'
         if "minLength" in node or "maxLength" in node:
             lo = int(node.get("minLength", 0))
             hi = node.get("maxLength")
-            return f'"{_STRING_CHAR}{{{lo},{"" if hi is None else int(hi)}}}"'
-        return _SCALARS["string"]
+            return f'"{self.d.string_char}{{{lo},{"" if hi is None else int(hi)}}}"'
+        return self.d.string
 
     def pattern(self, pattern: str) -> str:
         """A string's `pattern`, its anchors dropped, checked on its own (so that it
@@ -330,7 +224,7 @@ class _Converter:
                 return r"\{\}"
             free = extra is True or extra == {}
             value = self.free(depth, inside=True) if free else self.value(extra, depth + 1)
-            return r"\{\}" if value is None else _object_of(value)
+            return r"\{\}" if value is None else _object_of(value, self.d)
         props = node.get("properties") or {}
         if not isinstance(props, dict):
             raise self.fail("'properties' must be an object")
@@ -342,7 +236,7 @@ class _Converter:
                 if name in required:
                     return None
                 continue
-            members.append((_literal(name) + ":" + _SPACE + value, name in required))
+            members.append((self.d.literal(name) + ":" + _SPACE + value, name in required))
         return r"\{" + _members(members) + r"\}"
 
     def array(self, node: dict, depth: int) -> str | None:
@@ -397,17 +291,47 @@ def json_object_arg(value: Any, name: str) -> dict:
 def schema_regex(schema: dict | str) -> str:
     """The pattern of the JSON values `schema` describes (module docstring)."""
     schema = json_object_arg(schema, "json_schema")
+    return _unrolled(schema, lambda c: c.value(schema, 0), JSON)
+
+
+def keyword_args_regex(schema: dict) -> str:
+    """The keyword arguments `name=value, ...` of a Python call whose parameters
+    `schema` (an object schema) describes, values as Python literals (pythonic tool
+    calls): the properties in order, those not required optional; without
+    `properties`, any identifiers with any values."""
+    schema = json_object_arg(schema, "parameters")
+
+    def kwargs(c: _Converter) -> str | None:
+        if "properties" not in schema:
+            member = r"[A-Za-z_][A-Za-z0-9_]*=" + c.free(1)
+            return f"(?:{member}(?:,{_SPACE}{member})*)?"
+        required = set(schema.get("required") or ())
+        members = []
+        for name, node in (schema.get("properties") or {}).items():
+            value = c.value(node, 1)
+            if value is None:
+                if name in required:
+                    return None
+                continue
+            members.append((re.escape(name) + "=" + value, name in required))
+        return _members(members)
+
+    return _unrolled(schema, kwargs, PYTHON, empty_ok=True)  # no parameters: ()
+
+
+def _unrolled(schema: dict, write_with: Callable[[_Converter], str | None], d: Dialect, *,
+              empty_ok: bool = False) -> str:  # fmt: skip
     from shunter.actors.grammar.ebnf import unroll
 
     def write(levels: int) -> str | None:
         try:
-            return _Converter(schema, levels).value(schema, 0)
+            return write_with(_Converter(schema, levels, d))
         except (TypeError, AttributeError, KeyError) as e:  # a keyword's value of the wrong kind
             raise ValueError(
                 f"json_schema: a keyword has a value of the wrong type ({e})"
             ) from None
 
-    return unroll(write, "json_schema")
+    return unroll(write, "json_schema", empty_ok=empty_ok)
 
 
 def _members(members: list[tuple[str, bool]]) -> str:
@@ -429,18 +353,18 @@ def _members(members: list[tuple[str, bool]]) -> str:
     return _alt(firsts)
 
 
-def _object_of(value: str) -> str:
-    member = _SCALARS["string"] + ":" + _SPACE + value
+def _object_of(value: str, d: Dialect = JSON) -> str:
+    member = d.string + ":" + _SPACE + value
     return r"\{(?:" + member + "(?:," + _SPACE + member + r")*)?\}"
 
 
-def any_value(depth: int = ANY_DEPTH) -> str:
+def any_value(depth: int = ANY_DEPTH, d: Dialect = JSON) -> str:
     """Any JSON value nesting at most `depth` objects or arrays."""
-    scalar = _alt([_SCALARS["string"], _NUMBER, "true", "false", "null"])
+    scalar = _alt([d.string, _NUMBER, d.true, d.false, d.null])
     value = scalar
     for _ in range(depth):
         arr = r"\[(?:" + value + "(?:," + _SPACE + value + r")*)?\]"
-        value = _alt([scalar, _object_of(value), arr])
+        value = _alt([scalar, _object_of(value, d), arr])
     return value
 
 

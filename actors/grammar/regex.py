@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from shunter.actors.grammar.regex_extensions import chars_or_others, json_escaped, word_automaton
+
 MAX_PATTERN_CHARS = 1000
 MAX_REPEAT = 1000
 MAX_GROUP_DEPTH = 100  # groups nested deeper are refused (the parser and builder recurse)
@@ -181,7 +183,7 @@ class _Parser:
             if self.peek() != ")":
                 raise self.fail("missing ')'")
             self.i += 1
-            return _json_escaped(node) if json_group else node
+            return json_escaped(node) if json_group else node
         if c == "[":
             return ("char", self.char_class())
         if c == ".":
@@ -297,47 +299,6 @@ def _literal(c: str) -> Pred:
     return c.__eq__
 
 
-_JSON_SHORT = {'"': '"', "\\": "\\", "\b": "b", "\f": "f", "\n": "n", "\r": "r", "\t": "t"}
-_HEX = "0123456789abcdef"
-
-
-def _json_unsafe(c: str) -> bool:
-    return c in '"\\' or c < " "
-
-
-def _json_escaped(node: tuple) -> tuple:
-    """`node` with every character step reading the character as a JSON string holds
-    it: unescaped where JSON allows that, else after a backslash (the short escape, or
-    \\u00XX for a control character, its hex digits in either case)."""
-    kind = node[0]
-    if kind == "empty":
-        return node
-    if kind in ("cat", "alt"):
-        return (kind, [_json_escaped(child) for child in node[1]])
-    if kind == "rep":
-        return ("rep", _json_escaped(node[1]), node[2], node[3])
-    pred = node[1]
-    plain = ("char", lambda c: pred(c) and not _json_unsafe(c))
-    short = {letter for c, letter in _JSON_SHORT.items() if pred(c)}
-    controls = [chr(i) for i in range(0x20) if pred(chr(i))]
-    escapes = []
-    if short:
-        escapes.append(("char", short.__contains__))
-    for high in "01":
-        lows = {_HEX[ord(c) & 15] for c in controls if ord(c) >> 4 == int(high)}
-        lows |= {d.upper() for d in lows}
-        if lows:
-            escapes.append(("cat", [("char", _literal(ch)) for ch in "u00" + high]
-                            + [("char", lows.__contains__)]))  # fmt: skip
-    if not escapes:
-        return plain
-    escaped = (
-        "cat",
-        [("char", _literal("\\")), escapes[0] if len(escapes) == 1 else ("alt", escapes)],
-    )
-    return ("alt", [plain, escaped])
-
-
 # ---- NFA ---------------------------------------------------------------------------
 
 
@@ -362,7 +323,7 @@ class _Builder:
     def avoid(self, words: list[str], out: int) -> int:
         """States for text in which no word occurs (`(?A:...)`), continuing to `out`
         from wherever it ends; returns the entry state."""
-        goto, ends = _word_automaton(words)
+        goto, ends = word_automaton(words)
         live = [s for s in range(len(goto)) if s not in ends]
         entry = {s: self.new() for s in live}
         for s in live:
@@ -375,12 +336,12 @@ class _Builder:
                 if t in ends:
                     continue  # that character completes a word
                 r = self.new()
-                pred = _chars_or_others(chars, alphabet) if t == 0 else chars.__contains__
+                pred = chars_or_others(chars, alphabet) if t == 0 else chars.__contains__
                 self.step[r] = (pred, entry[t])
                 branches.append(r)
             if 0 not in targets:  # characters outside the words still lead to the root
                 r = self.new()
-                self.step[r] = (_chars_or_others(set(), alphabet), entry[0])
+                self.step[r] = (chars_or_others(set(), alphabet), entry[0])
                 branches.append(r)
             self.split[entry[s]] = branches
         return entry[0]
@@ -418,42 +379,6 @@ class _Builder:
         for _ in range(lo):
             entry = self.build(child, entry)
         return entry
-
-
-def _chars_or_others(chars: set[str], alphabet: set[str]) -> Pred:
-    """A character of `chars`, or one that is not in `alphabet`."""
-    return lambda ch: ch in chars or ch not in alphabet
-
-
-def _word_automaton(words: list[str]) -> tuple[list[dict[str, int]], set[int]]:
-    """Aho-Corasick over `words`: goto[s][c] for every state and every character of
-    the words (other characters lead to state 0), and the states where a word ends."""
-    trie: list[dict[str, int]] = [{}]
-    ends: set[int] = set()
-    for w in words:
-        s = 0
-        for c in w:
-            if c not in trie[s]:
-                trie.append({})
-                trie[s][c] = len(trie) - 1
-            s = trie[s][c]
-        ends.add(s)
-    alphabet = sorted({c for w in words for c in w})
-    fail = [0] * len(trie)
-    goto: list[dict[str, int]] = [{} for _ in trie]
-    order = [0]
-    for s in order:  # breadth first: a state's fail link is complete before its children's
-        for c in alphabet:
-            if c in trie[s]:
-                t = trie[s][c]
-                goto[s][c] = t
-                fail[t] = goto[fail[s]][c] if s else 0
-                if fail[t] in ends:
-                    ends.add(t)
-                order.append(t)
-            else:
-                goto[s][c] = goto[fail[s]][c] if s else 0
-    return goto, ends
 
 
 class Nfa:

@@ -65,3 +65,20 @@ def test_tools_need_the_parser_and_run_with_it(server, start_server, call, tmp_p
             if isinstance(choice, dict):
                 assert items[0]["name"] == "get_time"
             assert out["parallel_tool_calls"] is False
+
+
+def test_a_required_call_in_the_pythonic_format(start_server, call, tmp_path):
+    """--tool-call-parser pythonic: tool_choice "required" holds the answer to a Python
+    list of calls whose keyword arguments are literals of the parameters' schema."""
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": CITY_TOOLS,
+            "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 64,
+            "temperature": 0}  # fmt: skip
+    with start_server(tmp_path / "pythonic", "embedded", "--tool-call-parser", "pythonic") as s:
+        status, out = call(s, "/v1/chat/completions", body)
+        assert status == 200, out
+        choice = out["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        (c,) = choice["message"]["tool_calls"]
+        assert c["function"]["name"] in ("get_weather", "get_time")
+        args = json.loads(c["function"]["arguments"])
+        assert isinstance(args["city"], str) and len(args["city"]) <= 20

@@ -110,6 +110,7 @@ CLOCK = {"type": "function", "function": {"name": "now"}}
                    '{"name": "now", "parameters": {}}'),
         ("mistral", '[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
                     '{"name": "now", "arguments": {}}]'),
+        ("pythonic", '[get_weather(city="Paris", days=2), now()]'),
     ],
 )  # fmt: skip
 def test_a_required_call_pattern_takes_the_formats_calls_and_nothing_else(parser, answer):
@@ -121,7 +122,8 @@ def test_a_required_call_pattern_takes_the_formats_calls_and_nothing_else(parser
     assert re.fullmatch(pattern, answer)
     assert [name for name, _ in parse(parser, answer)[1]] == ["get_weather", "now"]
     assert not re.fullmatch(pattern, "It is sunny.")
-    assert not re.fullmatch(pattern, answer.replace('"days": 2', '"days": "two"'))
+    assert not re.fullmatch(pattern, answer.replace('"days": 2', '"days": "two"')
+                            .replace("days=2", 'days="two"'))  # fmt: skip
     named = forced_regex(parser, [WEATHER, CLOCK], "now")
     assert not re.fullmatch(named, answer)  # two calls, and one of another function
     one = forced_regex(parser, [WEATHER, CLOCK], None, many=False)  # parallel_tool_calls false
@@ -135,12 +137,28 @@ def test_a_required_call_pattern_takes_the_formats_calls_and_nothing_else(parser
 def forced_answer(parser: str, name: str) -> str:
     call = json.dumps({"name": name, "parameters" if parser == "llama3" else "arguments": {}})
     return {"qwen25": f"<tool_call>\n{call}\n</tool_call>", "llama3": call,
-            "mistral": f"[{call}]"}[parser]  # fmt: skip
+            "mistral": f"[{call}]", "pythonic": f"[{name}()]"}[parser]  # fmt: skip
+
+
+def test_pythonic_call_arguments_are_python_literals_of_their_schema():
+    import re
+
+    fn = {"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "required": ["when"], "properties": {
+            "when": {"type": "string", "format": "date"}, "vip": {"type": "boolean"},
+            "note": {"type": ["string", "null"]}, "tags": {"type": "array", "items": {"enum": [1, True, None]}}}}}}  # fmt: skip
+    pattern = forced_regex("pythonic", [fn], "book")
+    good = '[book(when="2025-01-31", vip=True, note=None, tags=[1, True, None])]'
+    assert re.fullmatch(pattern, good)
+    assert parse("pythonic", good)[1] == [("book", '{"when": "2025-01-31", "vip": true, '
+                                                   '"note": null, "tags": [1, true, null]}')]  # fmt: skip
+    assert re.fullmatch(pattern, '[book(when="2025-01-31")]')  # the optional ones left out
+    for bad in ('[book(vip=True)]', '[book(when="2025-01-31", vip=true)]',
+                '[book(when="2025-13-01")]', '[book(when="2025-01-31", note=null)]'):  # fmt: skip
+        assert not re.fullmatch(pattern, bad), bad
 
 
 def test_a_required_call_is_refused_where_it_cannot_be_written():
-    with pytest.raises(ValueError, match="pythonic"):
-        forced_regex("pythonic", [WEATHER], None)
     bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
            "properties": {"x": {"type": "string", "format": "isbn"}}}}}  # fmt: skip
     with pytest.raises(ValueError, match=r"function 'f'.*format 'isbn'"):

@@ -90,7 +90,7 @@ def chat_tools(tools: list[Any]) -> list[dict[str, Any]]:
                 and isinstance(t.get("name"), str) and t["name"]):  # fmt: skip
             raise bad_request(f"tools[{i}] must be {{'type': 'function', 'name': ...}}",
                               param=f"tools[{i}]")  # fmt: skip
-        fn = {k: t[k] for k in ("name", "description", "parameters") if k in t}
+        fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}
         out.append({"type": "function", "function": fn})
     return out
 

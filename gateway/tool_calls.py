@@ -213,6 +213,30 @@ def openai_calls(calls: list[Call], ids: list[str]) -> list[dict]:
             for (name, args), i in zip(calls, ids, strict=True)]  # fmt: skip
 
 
+def strict_regex(parser: str, tools: list[dict[str, Any]]) -> str:
+    """With tool_choice "auto" and a tool marked `"strict": true` (OpenAI's promise that
+    a call's arguments match its parameters): the answer is free text in which each
+    `<tool_call>` opens a whole call of one of the tools, a strict tool's arguments
+    shaped by its parameters, another's any JSON object (a structural tag,
+    actors/grammar/structural_tag.py). "" when no tool is strict or the format is not
+    qwen25/hermes (the formats whose answer is only calls are not free text)."""
+    from shunter.actors.grammar.structural_tag import structural_tag_regex
+
+    fns = [t["function"] for t in tools]
+    if parser not in ("qwen25", "hermes") or not any(f.get("strict") is True for f in fns):
+        return ""
+    structures = [{
+        "begin": _OPEN + "\n" + '{"name": ' + json.dumps(f["name"]) + ', "arguments": ',
+        "schema": (f.get("parameters") or {"type": "object", "properties": {}})
+        if f.get("strict") is True else {"type": "object"},
+        "end": "}\n" + _CLOSE,
+    } for f in fns]  # fmt: skip
+    try:
+        return structural_tag_regex({"triggers": [_OPEN], "structures": structures})
+    except ValueError as e:
+        raise ValueError(f"strict tools: {e}") from None
+
+
 def forced_regex(parser: str, tools: list[dict[str, Any]], name: str | None, *,
                  many: bool = True) -> str:  # fmt: skip
     """A regex of the answers that are calls in `parser`'s format, each call's arguments

@@ -461,9 +461,18 @@ def constrain_to_calls(sampling: SamplingParams, tool_choice: Any, parser: str |
                        other: str) -> SamplingParams:  # fmt: skip
     """`sampling` with the answer constrained to calls in the parser's format when
     tool_choice asks for a required or named call (tool_calls.forced_regex; exactly
-    one with parallel_tool_calls false); 400 where another constraint (`other`) is
-    given too or the calls cannot be written so."""
+    one with parallel_tool_calls false), or, with "auto" and a strict tool, to prose and
+    whole calls (tool_calls.strict_regex); 400 where another constraint (`other`) is
+    given with a forced call or the calls cannot be written so."""
     forced = forced_call(tool_choice)
+    if forced is None and parser is not None and tool_choice != "none" and not sampling.regex:
+        from shunter.gateway import tool_calls
+
+        try:
+            strict = tool_calls.strict_regex(parser, tools)
+        except ValueError as e:
+            raise bad_request(str(e), param="tools") from None
+        return msgspec.structs.replace(sampling, regex=strict) if strict else sampling
     if forced is None or parser is None:
         return sampling
     if sampling.regex:

@@ -51,6 +51,13 @@ def test_tools_need_the_parser_and_run_with_it(server, start_server, call, tmp_p
             assert isinstance(args["city"], str) and len(args["city"]) <= 20
             if extra:
                 assert [c["function"]["name"] for c in calls] == ["get_time"]
+        # a strict tool with tool_choice auto: prose, or whole calls of the tools
+        strict = [{"type": "function", "function": {**t["function"], "strict": True}}
+                  for t in CITY_TOOLS]  # fmt: skip
+        status, out = call(s, "/v1/chat/completions", {**body, "tools": strict, "max_tokens": 48})
+        assert status == 200, out
+        for c in out["choices"][0]["message"].get("tool_calls") or []:
+            assert isinstance(json.loads(c["function"]["arguments"])["city"], str)
         # the Responses API takes the same choices (a named one in its own shape)
         resp_tools = [{"type": "function", "name": t["function"]["name"],
                        "parameters": CITY} for t in CITY_TOOLS]  # fmt: skip

@@ -296,3 +296,21 @@ def test_responses_stream_a_call_as_its_events(tool_client):
     final = events[-1].response
     assert [o.type for o in final.output] == ["message", "function_call"]
     assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_strict_tools_hold_auto_answers_to_prose_and_whole_calls():
+    from shunter.actors.grammar.token_fsm import constraint_nfa
+    from shunter.gateway.tool_calls import strict_regex
+
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    assert strict_regex("qwen25", [WEATHER, CLOCK]) == ""  # no strict tool: unconstrained
+    assert strict_regex("llama3", [strict]) == ""  # an answer of calls only: not free text
+    accepts = constraint_nfa(strict_regex("qwen25", [strict, CLOCK])).fullmatch
+    good = ('Let me look. <tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Paris", "days": 2}}\n</tool_call>')  # fmt: skip
+    assert accepts("It is sunny in Paris.") and accepts(good)
+    assert accepts('<tool_call>\n{"name": "now", "arguments": {"any": [1]}}\n</tool_call>')
+    assert parse("qwen25", good)[1] == [("get_weather", '{"city": "Paris", "days": 2}')]
+    for bad in (good.replace('"days": 2', '"days": "two"'), good[:-3],
+                '<tool_call>\n{"name": "lookup", "arguments": {}}\n</tool_call>'):  # fmt: skip
+        assert not accepts(bad), bad

@@ -26,6 +26,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from shunter.actors.grammar.lexical import alt
 from shunter.actors.grammar.regex import MAX_CONSTRAINT_CHARS, PatternTooLarge
 
 MAX_RECURSION = 3  # a rule is expanded at most this many times inside itself
@@ -207,10 +208,6 @@ def _class_char(c: str) -> str:
     return c if c.isprintable() and c != " " else f"\\u{ord(c):04x}" if ord(c) < 0x10000 else c
 
 
-def _alt(parts: list[str]) -> str:
-    return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
-
-
 class _Writer:
     """Rules to one pattern, references inlined (module docstring)."""
 
@@ -260,7 +257,7 @@ class _Writer:
             return "(?:" + "".join(parts) + ")" if len(parts) > 1 else (parts[0] if parts else "")
         if kind == "alt":
             kept = [p for p in map(self.write, node[1]) if p is not None]
-            return _alt(kept) if kept else None
+            return alt(kept) if kept else None
         _, child, lo, hi = node
         inner = self.write(child)
         if inner is None:

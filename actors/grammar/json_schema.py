@@ -97,13 +97,12 @@ JSON = Dialect(r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})', "true", "
                lambda v: json.dumps(v, ensure_ascii=False))  # fmt: skip
 PYTHON = Dialect(r'(?:[^"\\\x00-\x1f]|\\["\\bfnrt]|\\u[0-9a-fA-F]{4})', "True", "False", "None",
                  _python_text)  # fmt: skip
-_alt = alt
 
 
 def _alt_some(parts: list[str | None]) -> str | None:
     """The alternatives that are not None; None if none is left."""
     kept = [p for p in parts if p is not None]
-    return _alt(kept) if kept else None
+    return alt(kept) if kept else None
 
 
 class _Converter:
@@ -146,7 +145,7 @@ class _Converter:
         if "enum" in node:
             if not node["enum"]:
                 raise self.fail("'enum' must not be empty")
-            return _alt([self.d.literal(v) for v in node["enum"]])
+            return alt([self.d.literal(v) for v in node["enum"]])
         for key in ("anyOf", "oneOf"):
             if key in node:
                 return _alt_some([self.value(n, depth + 1) for n in node[key]])
@@ -350,7 +349,7 @@ def _members(members: list[tuple[str, bool]]) -> str:
             break
     else:
         firsts.append("")  # every member left out
-    return _alt(firsts)
+    return alt(firsts)
 
 
 def _object_of(value: str, d: Dialect = JSON) -> str:
@@ -360,11 +359,11 @@ def _object_of(value: str, d: Dialect = JSON) -> str:
 
 def any_value(depth: int = ANY_DEPTH, d: Dialect = JSON) -> str:
     """Any JSON value nesting at most `depth` objects or arrays."""
-    scalar = _alt([d.string, _NUMBER, d.true, d.false, d.null])
+    scalar = alt([d.string, _NUMBER, d.true, d.false, d.null])
     value = scalar
     for _ in range(depth):
         arr = r"\[(?:" + value + "(?:," + _SPACE + value + r")*)?\]"
-        value = _alt([scalar, _object_of(value, d), arr])
+        value = alt([scalar, _object_of(value, d), arr])
     return value
 
 

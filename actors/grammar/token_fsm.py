@@ -44,6 +44,18 @@ def constraint_nfa(pattern: str) -> Nfa:
                max_chars=MAX_REGEX_CHARS, extensions=True)  # fmt: skip
 
 
+@functools.lru_cache(maxsize=256)
+def constraint_error(pattern: str) -> str | None:
+    """Why a constraint's pattern is refused, or None: constraint_nfa's verdict, kept for
+    the latest patterns (requests of one schema send one pattern again and again, and
+    compiling json_object()'s takes milliseconds)."""
+    try:
+        constraint_nfa(pattern)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 class TokenVocab:
     """Each token id's text (None where a token adds no whole characters) and the
     end-of-sequence ids, with the texts as a [V, L] array of character numbers."""

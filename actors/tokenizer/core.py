@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import msgspec
 
-from shunter.actors.grammar.token_fsm import constraint_nfa
+from shunter.actors.grammar.token_fsm import constraint_error
 from shunter.actors.tokenizer.chat import ChatTemplateError
 from shunter.actors.tokenizer.config import TokenizerConfig
 from shunter.actors.tokenizer.detok import IncrementalDetokenizer, StopStringMatcher
@@ -247,10 +247,9 @@ class TokenizerCore:
             if not self.codec.has_text:
                 raise _Invalid("invalid_request", f"{NO_TOKENIZER}: constrained decoding needs "
                                "the tokenizer's texts")  # fmt: skip
-            try:
-                constraint_nfa(sp.regex)
-            except ValueError as e:
-                raise _Invalid("invalid_request", str(e)) from None
+            error = constraint_error(sp.regex)
+            if error is not None:
+                raise _Invalid("invalid_request", error)
         vocab = self.codec.vocab_size
         named = (*sp.stop_token_ids, *sp.logit_bias, *sp.token_ids_logprob)
         bad_ids = [i for i in named if not 0 <= i < vocab]

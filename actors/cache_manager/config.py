@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-EVICTION_POLICIES = ("lru", "lfu")
+from shunter.actors.cache_manager.radix import EVICTION_POLICIES
 
 
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):

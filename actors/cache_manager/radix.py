@@ -97,12 +97,15 @@ class EvictedBlock(NamedTuple):
     hashes: list[int]
 
 
+EVICTION_POLICIES = ("lru", "lfu")
+
+
 class RadixTree:
     def __init__(self, page_size: int = 1, hash_blocks: bool = True,
                  eviction_policy: str = "lru") -> None:  # fmt: skip
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
-        if eviction_policy not in ("lru", "lfu"):
+        if eviction_policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction_policy must be lru or lfu, got {eviction_policy!r}")
         self.page_size = page_size
         self.eviction_policy = eviction_policy

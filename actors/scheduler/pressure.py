@@ -28,11 +28,17 @@ if TYPE_CHECKING:
     from shunter.actors.scheduler.core import SchedulerCore
 
 
+def _by_length(r: Req) -> tuple:
+    return (r.num_output, -r.num_prompt)
+
+
+def _by_priority(r: Req) -> tuple:
+    return (r.priority, r.num_output, -r.num_prompt)
+
+
 def victim_order(core: SchedulerCore):
     """Sort key of running requests, the first to retract first (module docstring)."""
-    if core.config.retraction_policy == "priority":
-        return lambda r: (r.priority, r.num_output, -r.num_prompt)
-    return lambda r: (r.num_output, -r.num_prompt)
+    return _by_priority if core.config.retraction_policy == "priority" else _by_length
 
 
 def preemption_victim(core: SchedulerCore) -> Req | None:
@@ -48,7 +54,7 @@ def preemption_victim(core: SchedulerCore) -> Req | None:
     if not waiting:
         return None
     best = max(r.priority for r in waiting)
-    victim = min(core.running.values(), key=lambda r: (r.priority, r.num_output, -r.num_prompt))
+    victim = min(core.running.values(), key=_by_priority)
     return victim if best - victim.priority >= threshold else None
 
 

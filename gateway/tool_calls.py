@@ -215,20 +215,35 @@ def openai_calls(calls: list[Call], ids: list[str]) -> list[dict]:
 
 def strict_regex(parser: str, tools: list[dict[str, Any]]) -> str:
     """With tool_choice "auto" and a tool marked `"strict": true` (OpenAI's promise that
-    a call's arguments match its parameters): the answer is free text in which each
-    `<tool_call>` opens a whole call of one of the tools, a strict tool's arguments
-    shaped by its parameters, another's any JSON object (a structural tag,
-    actors/grammar/structural_tag.py). "" when no tool is strict or the format is not
-    qwen25/hermes (the formats whose answer is only calls are not free text)."""
+    a call's arguments match its parameters): a strict tool's arguments are shaped by
+    its parameters, another's are any JSON object (Python literals for pythonic). For
+    qwen25/hermes the answer is free text in which each `<tool_call>` opens a whole
+    call of one of the tools (a structural tag, actors/grammar/structural_tag.py). For
+    the formats whose answer is only calls (llama3, mistral, pythonic) it is either
+    prose whose first non-blank character is not the one calls begin with (`{` or `[`),
+    or calls only: one or more when every tool is strict, one when a tool is not (its
+    any-object arguments are too large a pattern to repeat). "" when no tool is
+    strict."""
+    fns = [t["function"] for t in tools]
+    if parser not in PARSERS or not any(f.get("strict") is True for f in fns):
+        return ""
+    loose = {"type": "object"}
+    if parser in _WHOLE:
+        shaped = [{"type": "function", "function": {**f, "parameters": f.get("parameters") or
+                   {"type": "object", "properties": {}}} if f.get("strict") is True else
+                   {**f, "parameters": loose}} for f in fns]  # fmt: skip
+        try:
+            calls = forced_regex(parser, shaped, None,
+                                 many=all(f.get("strict") is True for f in fns))  # fmt: skip
+        except ValueError as e:
+            raise ValueError(f"strict tools: {e}") from None
+        return r"\s*(?:" + calls + r"|[^\s" + re.escape(_WHOLE[parser]) + r"][\s\S]*)?"
     from shunter.actors.grammar.structural_tag import structural_tag_regex
 
-    fns = [t["function"] for t in tools]
-    if parser not in ("qwen25", "hermes") or not any(f.get("strict") is True for f in fns):
-        return ""
     structures = [{
         "begin": _OPEN + "\n" + '{"name": ' + json.dumps(f["name"]) + ', "arguments": ',
         "schema": (f.get("parameters") or {"type": "object", "properties": {}})
-        if f.get("strict") is True else {"type": "object"},
+        if f.get("strict") is True else loose,
         "end": "}\n" + _CLOSE,
     } for f in fns]  # fmt: skip
     try:

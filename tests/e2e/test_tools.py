@@ -89,3 +89,11 @@ def test_a_required_call_in_the_pythonic_format(start_server, call, tmp_path):
         assert c["function"]["name"] in ("get_weather", "get_time")
         args = json.loads(c["function"]["arguments"])
         assert isinstance(args["city"], str) and len(args["city"]) <= 20
+        # strict tools with tool_choice auto: prose, or calls whose arguments fit
+        strict = [{"type": "function", "function": {**t["function"], "strict": True}}
+                  for t in CITY_TOOLS]  # fmt: skip
+        status, out = call(s, "/v1/chat/completions",
+                           {**body, "tools": strict, "tool_choice": "auto", "max_tokens": 48})  # fmt: skip
+        assert status == 200, out
+        for c in out["choices"][0]["message"].get("tool_calls") or []:
+            assert isinstance(json.loads(c["function"]["arguments"])["city"], str)

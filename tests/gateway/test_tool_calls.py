@@ -304,7 +304,6 @@ def test_strict_tools_hold_auto_answers_to_prose_and_whole_calls():
 
     strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
     assert strict_regex("qwen25", [WEATHER, CLOCK]) == ""  # no strict tool: unconstrained
-    assert strict_regex("llama3", [strict]) == ""  # an answer of calls only: not free text
     accepts = constraint_nfa(strict_regex("qwen25", [strict, CLOCK])).fullmatch
     good = ('Let me look. <tool_call>\n{"name": "get_weather", "arguments": '
             '{"city": "Paris", "days": 2}}\n</tool_call>')  # fmt: skip
@@ -314,3 +313,36 @@ def test_strict_tools_hold_auto_answers_to_prose_and_whole_calls():
     for bad in (good.replace('"days": 2', '"days": "two"'), good[:-3],
                 '<tool_call>\n{"name": "lookup", "arguments": {}}\n</tool_call>'):  # fmt: skip
         assert not accepts(bad), bad
+
+
+@pytest.mark.parametrize(
+    ("parser", "call", "other", "bad"),
+    [
+        ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}',
+         '{"name": "now", "parameters": {"any": [1]}}',
+         '{"name": "get_weather", "parameters": {"city": "Paris", "days": "two"}}'),
+        ("mistral", '[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}]',
+         '[{"name": "now", "arguments": {"any": [1]}}]',
+         '[{"name": "get_weather", "arguments": {"city": 3}}]'),
+        ("pythonic", '[get_weather(city="Paris", days=2)]', '[now(any=[1])]',
+         '[get_weather(city="Paris", days="two")]'),
+    ],
+)  # fmt: skip
+def test_strict_tools_in_call_only_formats_allow_prose_or_whole_calls(parser, call, other, bad):
+    """llama3, mistral and pythonic answers are calls only: with a strict tool the answer
+    is prose not starting as calls do, or calls whose strict arguments fit the schema."""
+    from shunter.actors.grammar.token_fsm import constraint_nfa
+    from shunter.gateway.tool_calls import strict_regex
+
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    assert strict_regex(parser, [WEATHER, CLOCK]) == ""
+    accepts = constraint_nfa(strict_regex(parser, [strict, CLOCK])).fullmatch
+    for good in ("It is sunny in Paris.", "", "  \n", "Sure: " + call, call, " " + call, other):
+        assert accepts(good), good
+    assert parse(parser, call)[1][0][0] == "get_weather"
+    for no in (bad, call[:-1], call + " and more", call[0] + " not a call"):
+        assert not accepts(no), no
+    two = {"llama3": call + "; " + call, "mistral": call[:-1] + ", " + call[1:],
+           "pythonic": call[:-1] + ", " + call[1:]}[parser]  # fmt: skip
+    assert constraint_nfa(strict_regex(parser, [strict])).fullmatch(two)  # all strict: several
+    assert not accepts(two)  # a loose tool beside it: one call

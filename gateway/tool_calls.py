@@ -221,9 +221,7 @@ def strict_regex(parser: str, tools: list[dict[str, Any]]) -> str:
     call of one of the tools (a structural tag, actors/grammar/structural_tag.py). For
     the formats whose answer is only calls (llama3, mistral, pythonic) it is either
     prose whose first non-blank character is not the one calls begin with (`{` or `[`),
-    or calls only: one or more when every tool is strict, one when a tool is not (its
-    any-object arguments are too large a pattern to repeat). "" when no tool is
-    strict."""
+    or calls only. "" when no tool is strict."""
     fns = [t["function"] for t in tools]
     if parser not in PARSERS or not any(f.get("strict") is True for f in fns):
         return ""
@@ -233,8 +231,7 @@ def strict_regex(parser: str, tools: list[dict[str, Any]]) -> str:
                    {"type": "object", "properties": {}}} if f.get("strict") is True else
                    {**f, "parameters": loose}} for f in fns]  # fmt: skip
         try:
-            calls = forced_regex(parser, shaped, None,
-                                 many=all(f.get("strict") is True for f in fns))  # fmt: skip
+            calls = forced_regex(parser, shaped, None)
         except ValueError as e:
             raise ValueError(f"strict tools: {e}") from None
         return r"\s*(?:" + calls + r"|[^\s" + re.escape(_WHOLE[parser]) + r"][\s\S]*)?"

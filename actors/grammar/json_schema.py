@@ -50,7 +50,7 @@ from shunter.actors.grammar.lexical import FORMATS, FRACTION, alt, bounds, integ
 from shunter.actors.grammar.regex import MAX_CONSTRAINT_CHARS, PatternTooLarge
 
 MAX_DEPTH = 16
-JSON_OBJECT_DEPTH = 2
+JSON_OBJECT_DEPTH = 3
 ANY_DEPTH = 1
 _SPACE = "[ ]?"
 _INTEGER = r"-?(?:0|[1-9][0-9]{0,17})"

@@ -5,7 +5,10 @@ Theory of operation: a pattern is parsed into a small syntax tree and compiled i
 Thompson NFA of character steps and epsilon splits; counted repeats are unrolled, so
 the NFA's size is bounded by the caller's `max_states`. Simulating every state at once
 costs at most the NFA's size per character, whatever the text: no input can make it
-backtrack, as Python's `re` can.
+backtrack, as Python's `re` can. A separated list written out as regexes must write it,
+`X(?:SEP X)*` (a JSON array or object, a run of tool calls), is compiled with one copy
+of X and a loop back through SEP (a "list" node: the same text, so the same language),
+and `X+` with one looped copy: nested lists grow the NFA twofold a level, not fourfold.
 
 Syntax: Python's `re` without what needs backtracking or a look beyond the current
 character: literals and escapes (\\n \\t \\xhh \\uhhhh, escaped punctuation), `.` (any
@@ -68,7 +71,11 @@ _REFUSED_ESCAPES = {
 
 # ---- syntax tree -------------------------------------------------------------------
 # ("char", pred) | ("cat", [nodes]) | ("alt", [nodes]) | ("rep", node, min, max or None)
-# | ("empty",)
+# | ("list", item, sep): item (sep item)* | ("empty",)
+
+
+def _cat(items: list[tuple]) -> tuple:
+    return ("empty",) if not items else items[0] if len(items) == 1 else ("cat", items)
 
 
 class _Parser:
@@ -79,6 +86,7 @@ class _Parser:
         self.end_anchor = end_anchor  # a final "$" is allowed (a whole-text match)
         self.extensions = extensions  # (?J:...) and (?A:...) are allowed (the module docstring)
         self.depth = 0  # groups open at this point
+        self.texts: dict[int, tuple[tuple, list[str]]] = {}  # cat nodes' item texts
 
     def fail(self, why: str) -> ValueError:
         shown = self.p if len(self.p) <= 80 else self.p[:60] + "..."
@@ -109,12 +117,36 @@ class _Parser:
         return branches[0] if len(branches) == 1 else ("alt", branches)
 
     def cat(self) -> tuple:
-        items = []
+        items: list[tuple] = []
+        texts: list[str] = []  # each item's source text
         while (c := self.peek()) is not None and c not in "|)":
+            start = self.i
             items.append(self.repeat())
-        if not items:
-            return ("empty",)
-        return items[0] if len(items) == 1 else ("cat", items)
+            texts.append(self.p[start : self.i])
+            self.fold_list(items, texts)
+        node = _cat(items)
+        if node[0] == "cat":  # kept (with the node, so its id stays its own) for fold_list
+            self.texts[id(node)] = (node, texts)
+        return node
+
+    def fold_list(self, items: list[tuple], texts: list[str]) -> None:
+        """Fold the items that end with X followed by (?:SEP X)* into one ("list", X,
+        SEP), X being the longest run of whole items that the group ends with, compared
+        by their source text."""
+        last = items[-1]
+        if last[0] != "rep" or last[2:] != (0, None):
+            return
+        kept = self.texts.get(id(last[1]))
+        if kept is None or kept[0] is not last[1]:
+            return
+        inner, inner_texts = last[1][1], kept[1]
+        n = 0
+        while n < len(inner) - 1 and n < len(items) - 1 and inner_texts[-1 - n] == texts[-2 - n]:
+            n += 1
+        if n:
+            folded = ("list", _cat(items[-1 - n : -1]), _cat(inner[: len(inner) - n]))
+            items[-1 - n :] = [folded]
+            texts[-1 - n :] = ["".join(texts[-1 - n :])]
 
     def repeat(self) -> tuple:
         node, quantified = self.atom(), False
@@ -365,8 +397,18 @@ class _Builder:
             return s
         if kind == "avoid":
             return self.avoid(node[1], out)
+        if kind == "list":  # item (sep item)*: one item, after it the end or sep and back
+            after = self.new()
+            entry = self.build(node[1], after)
+            self.split[after] = [out, self.build(node[2], entry)]
+            return entry
         _, child, lo, hi = node
-        if hi is None:  # child{lo,}: lo copies, then a loop
+        if hi is None and lo:  # child{lo,}: lo - 1 copies, then one that loops back
+            after = self.new()
+            entry = self.build(child, after)
+            self.split[after] = [out, entry]
+            lo -= 1
+        elif hi is None:  # child*
             loop = self.new()
             self.split[loop] = [self.build(child, loop), out]
             entry = loop

@@ -10,7 +10,8 @@ into its unescaped form where JSON allows one and its escaped forms after a back
 builder keeps every other state accepting, so a text is taken until a word completes.
 
 Invariants: pure functions of their arguments; the tree nodes keep regex.py's shapes
-("char", pred) | ("cat", [...]) | ("alt", [...]) | ("rep", node, lo, hi) | ("empty",).
+("char", pred) | ("cat", [...]) | ("alt", [...]) | ("rep", node, lo, hi) | ("list", item,
+sep) | ("empty",).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def json_escaped(node: tuple) -> tuple:
         return (kind, [json_escaped(child) for child in node[1]])
     if kind == "rep":
         return ("rep", json_escaped(node[1]), node[2], node[3])
+    if kind == "list":
+        return ("list", json_escaped(node[1]), json_escaped(node[2]))
     pred = node[1]
     plain = ("char", lambda c: pred(c) and not _json_unsafe(c))
     short = {letter for c, letter in _JSON_SHORT.items() if pred(c)}

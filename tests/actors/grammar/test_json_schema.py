@@ -56,7 +56,8 @@ def test_json_object_takes_nested_objects_and_arrays():
     constraint_nfa(pattern)
     assert re.fullmatch(pattern, '{"a": {"b": [1, 2.5, "x"]}, "c": null, "d": true}')
     assert re.fullmatch(pattern, "{}")
-    for bad in ("[1]", '{"a": 1,}', '{"a" 1}', "{'a': 1}", '{"a": {"b": {"c": {"d": 1}}}}'):
+    assert re.fullmatch(pattern, '{"a": {"b": {"c": [1]}}}')  # three levels below the top
+    for bad in ("[1]", '{"a": 1,}', '{"a" 1}', "{'a': 1}", '{"a": {"b": {"c": {"d": [1]}}}}'):
         assert not re.fullmatch(pattern, bad), bad
 
 
@@ -190,8 +191,8 @@ def test_recursive_references_unroll_a_bounded_number_of_levels():
 def test_what_a_schema_leaves_free_is_any_json_nested_a_bounded_depth():
     assert schema_regex({"type": "object"}) == json_object()
     anything = _accepts({})
-    assert all(map(anything, ["1", '"x"', "null", '{"a": [1, 2]}', "[[1]]"]))
-    assert not anything('{"a": [[1]]}')
+    assert all(map(anything, ["1", '"x"', "null", '{"a": [1, 2]}', "[[1]]", '{"a": [[1]]}']))
+    assert not anything('{"a": [[[1]]]}')  # three containers, the top one counted
     accepts = _accepts({"type": "object", "additionalProperties": {"type": "integer"}})
     assert accepts('{"a": 1, "b":2}') and accepts("{}") and not accepts('{"a": "x"}')
     accepts = _accepts({"type": "object", "properties": {"a": {"description": "free"},

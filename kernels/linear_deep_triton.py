@@ -10,14 +10,15 @@ that idle time used. kernels/linear_triton.py holds one tile in registers (about
 64 KB an SM); here Triton's software pipeliner turns the weight loads of a K loop
 into asynchronous copies into shared memory, STAGES - 1 tiles ahead, and its
 prologue (the first STAGES - 1 tiles) comes before the wait, which sits inside the
-loop's first step. The activation x is written by the kernel before, so it must not
+loop's first step as one pure instruction whose result x's addresses take (Triton
+3.9's pipeliner leaves a loop with a side effect in it unpipelined). The activation x is written by the kernel before, so it must not
 be pipelined ahead of the wait: it is read with an inline-assembly load the
 pipeliner leaves in place (the interpreter, which has no such instruction and no
 PDL, reads it plainly).
 
 Off by default (kernels/linear.DEEP_GEMV) until a device lease times it: compiled
 for sm_90a with Triton 3.6, the default tile (4 rows x 512, 8 stages, 4 warps) takes
-64 registers and 28 KB of shared memory, so 7 programs an SM hold 196 KB of weight
+40 registers and 28 KB of shared memory, so 7 programs an SM hold 196 KB of weight
 in flight before their wait, against 64 KB for the register GEMV's 8 programs; every
 asynchronous copy of the prologue comes before griddepcontrol.wait in its PTX.
 
@@ -34,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shunter.kernels.pdl import pdl_args, pdl_enter, use_pdl
+from shunter.kernels.pdl import pdl_args, use_pdl
 
 CONFIG = (4, 512, 8, 4)  # BLOCK_N, BLOCK_K, STAGES, num_warps
 X_AHEAD = True  # read x a K step ahead of its use (its L2 latency off the step's path)
@@ -50,6 +51,27 @@ def _load_x(ptr, ASM: tl.constexpr):
         return tl.inline_asm_elementwise("ld.global.b16 $0, [$1];", "=h,l", [ptr],
                                          dtype=ptr.dtype.element_ty, is_pure=False, pack=1)  # fmt: skip
     return tl.load(ptr)
+
+
+@triton.jit
+def _wait_at_first_step(k0, USE_PDL: tl.constexpr):
+    """0, after waiting on the grid before this one at the loop's first step (k0 == 0)
+    and letting the next be scheduled (pdl.pdl_enter's order). One pure instruction
+    whose result the x loads' addresses take, so the pipeliner sees no side effect in
+    the loop (a Triton 3.9 pipeliner leaves such a loop alone) and nothing reading x
+    can move ahead of it."""
+    if USE_PDL == 2:
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.eq.s32 p, $1, 0; @p griddepcontrol.launch_dependents; "
+            "@p griddepcontrol.wait; mov.u32 $0, 0; }",
+            "=r,r", [k0], dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
+    elif USE_PDL:
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.eq.s32 p, $1, 0; @p griddepcontrol.wait; "
+            "@p griddepcontrol.launch_dependents; mov.u32 $0, 0; }",
+            "=r,r", [k0], dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
+    else:
+        return k0 * 0
 
 
 @triton.jit
@@ -72,14 +94,13 @@ def _deep_gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, w_row_stride, BLOCK_N: tl.const
     x = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         w = tl.load(w_tile + k0, mask=n_ok[:, None] & ((k0 + rk) < K)[None, :], other=0.0)
-        if k0 == 0:
-            pdl_enter(USE_PDL)
-            if X_AHEAD:
-                x = _x_step(x_ptr, 0, rk, K, ASM)
+        xs = x_ptr + _wait_at_first_step(k0, USE_PDL)
         if X_AHEAD:  # the next step's x requested now, used a step later
-            x_next = _x_step(x_ptr, k0 + BLOCK_K, rk, K, ASM)
+            if k0 == 0:
+                x = _x_step(xs, 0, rk, K, ASM)
+            x_next = _x_step(xs, k0 + BLOCK_K, rk, K, ASM)
         else:
-            x = _x_step(x_ptr, k0, rk, K, ASM)
+            x = _x_step(xs, k0, rk, K, ASM)
             x_next = x
         acc += w.to(tl.float32) * x[None, :]
         x = x_next

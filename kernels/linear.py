@@ -30,7 +30,7 @@ FUSE_NORM = False  # norm_linear folds the (add +) RMSNorm into the GEMV's load
 FUSE_SILU = False  # silu_mul_linear folds the SwiGLU into the GEMV's load
 # One-row projections without bias stream W through shared memory, up to about 200 KB an
 # SM requested before the PDL wait (kernels/linear_deep_triton.py). Not yet timed on a
-# device (no lease could be started the day it was written): off.
+# device: off.
 DEEP_GEMV = False
 # gate_up_swiglu: a one-row gate/up GEMV applies the SwiGLU as it stores (no re-reads;
 # one launch a layer fewer); a whole bs=1 step on an H100 measured no faster (1.003x

@@ -16,7 +16,7 @@ be pipelined ahead of the wait: it is read with an inline-assembly load the
 pipeliner leaves in place (the interpreter, which has no such instruction and no
 PDL, reads it plainly).
 
-Off by default (kernels/linear.DEEP_GEMV) until a device lease times it: compiled
+Off by default (kernels/linear.DEEP_GEMV) until it is timed on a device: compiled
 for sm_90a with Triton 3.6, the default tile (4 rows x 512, 8 stages, 4 warps) takes
 40 registers and 28 KB of shared memory, so 7 programs an SM hold 196 KB of weight
 in flight before their wait, against 64 KB for the register GEMV's 8 programs; every

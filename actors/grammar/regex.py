@@ -5,10 +5,11 @@ Theory of operation: a pattern is parsed into a small syntax tree and compiled i
 Thompson NFA of character steps and epsilon splits; counted repeats are unrolled, so
 the NFA's size is bounded by the caller's `max_states`. Simulating every state at once
 costs at most the NFA's size per character, whatever the text: no input can make it
-backtrack, as Python's `re` can. A separated list written out as regexes must write it,
-`X(?:SEP X)*` (a JSON array or object, a run of tool calls), is compiled with one copy
-of X and a loop back through SEP (a "list" node: the same text, so the same language),
-and `X+` with one looped copy: nested lists grow the NFA twofold a level, not fourfold.
+backtrack, as Python's `re` can. A separated list, which a regular expression can only
+write as `X(?:SEP X)*` (a JSON array or object, a run of tool calls), is compiled with
+one copy of X and a loop back through SEP (a "list" node; the two X's are the same text,
+so the same language), and `X+` with one looped copy: nested lists grow the NFA twofold
+a level, not fourfold.
 
 Syntax: Python's `re` without what needs backtracking or a look beyond the current
 character: literals and escapes (\\n \\t \\xhh \\uhhhh, escaped punctuation), `.` (any

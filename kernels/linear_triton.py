@@ -124,43 +124,39 @@ def _gemv_rows(x_ptr, res_ptr, norm_w_ptr, w, w_tile, b_ptr, y_ptr, rn, rk, n_ok
     registers stay at what one row needs; r0..r3: the rows' rstd (RMSNorm)."""
     zero = (rn * 0)[:, None]
     kz = (rk * 0)[None, :]  # row masks as tensors (a scalar bool is no mask)
-    if ONE_STEP:  # K fits one tile: no loop, no next tile, the products summed at once
+    if ONE_STEP:  # K fits one tile: no loop, no next tile, each row's products as they are
         wf = w.to(tl.float32)
-        _store_row(y_ptr, b_ptr, wf * _operand(x_ptr, res_ptr, norm_w_ptr, 0, 0, zero, kz, rk, M, K,
-                                               x_row_stride, res_row_stride, r0, PROLOGUE),
-                   rn, n_ok, 0, M, y_row_stride, HAS_BIAS)  # fmt: skip
+        acc0 = wf * _operand(x_ptr, res_ptr, norm_w_ptr, 0, 0, zero, kz, rk, M, K,
+                             x_row_stride, res_row_stride, r0, PROLOGUE)  # fmt: skip
         if BLOCK_M > 1:
-            _store_row(y_ptr, b_ptr, wf * _operand(x_ptr, res_ptr, norm_w_ptr, 1, 0, zero, kz, rk, M,
-                                                   K, x_row_stride, res_row_stride, r1, PROLOGUE),
-                       rn, n_ok, 1, M, y_row_stride, HAS_BIAS)  # fmt: skip
+            acc1 = wf * _operand(x_ptr, res_ptr, norm_w_ptr, 1, 0, zero, kz, rk, M, K,
+                                 x_row_stride, res_row_stride, r1, PROLOGUE)  # fmt: skip
         if BLOCK_M > 2:
-            _store_row(y_ptr, b_ptr, wf * _operand(x_ptr, res_ptr, norm_w_ptr, 2, 0, zero, kz, rk, M,
-                                                   K, x_row_stride, res_row_stride, r2, PROLOGUE),
-                       rn, n_ok, 2, M, y_row_stride, HAS_BIAS)  # fmt: skip
-            _store_row(y_ptr, b_ptr, wf * _operand(x_ptr, res_ptr, norm_w_ptr, 3, 0, zero, kz, rk, M,
-                                                   K, x_row_stride, res_row_stride, r3, PROLOGUE),
-                       rn, n_ok, 3, M, y_row_stride, HAS_BIAS)  # fmt: skip
-        return
-    acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        nxt = k0 + BLOCK_K + rk
-        w_next = tl.load(w_tile + k0 + BLOCK_K, mask=n_ok[:, None] & (nxt < K)[None, :], other=0.0,
-                         eviction_policy=W_EVICT)  # fmt: skip
-        wf = w.to(tl.float32)
-        acc0 += wf * _operand(x_ptr, res_ptr, norm_w_ptr, 0, k0, zero, kz, rk, M, K,
-                              x_row_stride, res_row_stride, r0, PROLOGUE)  # fmt: skip
-        if BLOCK_M > 1:
-            acc1 += wf * _operand(x_ptr, res_ptr, norm_w_ptr, 1, k0, zero, kz, rk, M, K,
-                                  x_row_stride, res_row_stride, r1, PROLOGUE)  # fmt: skip
-        if BLOCK_M > 2:
-            acc2 += wf * _operand(x_ptr, res_ptr, norm_w_ptr, 2, k0, zero, kz, rk, M, K,
-                                  x_row_stride, res_row_stride, r2, PROLOGUE)  # fmt: skip
-            acc3 += wf * _operand(x_ptr, res_ptr, norm_w_ptr, 3, k0, zero, kz, rk, M, K,
-                                  x_row_stride, res_row_stride, r3, PROLOGUE)  # fmt: skip
-        w = w_next
+            acc2 = wf * _operand(x_ptr, res_ptr, norm_w_ptr, 2, 0, zero, kz, rk, M, K,
+                                 x_row_stride, res_row_stride, r2, PROLOGUE)  # fmt: skip
+            acc3 = wf * _operand(x_ptr, res_ptr, norm_w_ptr, 3, 0, zero, kz, rk, M, K,
+                                 x_row_stride, res_row_stride, r3, PROLOGUE)  # fmt: skip
+    else:
+        acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            nxt = k0 + BLOCK_K + rk
+            w_next = tl.load(w_tile + k0 + BLOCK_K, mask=n_ok[:, None] & (nxt < K)[None, :], other=0.0,
+                             eviction_policy=W_EVICT)  # fmt: skip
+            wf = w.to(tl.float32)
+            acc0 += wf * _operand(x_ptr, res_ptr, norm_w_ptr, 0, k0, zero, kz, rk, M, K,
+                                  x_row_stride, res_row_stride, r0, PROLOGUE)  # fmt: skip
+            if BLOCK_M > 1:
+                acc1 += wf * _operand(x_ptr, res_ptr, norm_w_ptr, 1, k0, zero, kz, rk, M, K,
+                                      x_row_stride, res_row_stride, r1, PROLOGUE)  # fmt: skip
+            if BLOCK_M > 2:
+                acc2 += wf * _operand(x_ptr, res_ptr, norm_w_ptr, 2, k0, zero, kz, rk, M, K,
+                                      x_row_stride, res_row_stride, r2, PROLOGUE)  # fmt: skip
+                acc3 += wf * _operand(x_ptr, res_ptr, norm_w_ptr, 3, k0, zero, kz, rk, M, K,
+                                      x_row_stride, res_row_stride, r3, PROLOGUE)  # fmt: skip
+            w = w_next
     _store_row(y_ptr, b_ptr, acc0, rn, n_ok, 0, M, y_row_stride, HAS_BIAS)
     if BLOCK_M > 1:
         _store_row(y_ptr, b_ptr, acc1, rn, n_ok, 1, M, y_row_stride, HAS_BIAS)

@@ -104,7 +104,9 @@ class SchedulerCensus(Msg, tag="cache.census.sched"):
 
 
 class Census(Msg, tag="cache.census"):
-    """free + leased_unused + held_by_requests + cached_in_tree == total, per tier."""
+    """free + leased_unused + held_by_requests + cached_in_tree + copying == total, per
+    tier. The host tier has no leases or rows: its pages are free, cached, or being
+    written by a backup in flight (copying)."""
 
     step_id: int
     tier: str  # "device", "host", "disk"
@@ -114,6 +116,14 @@ class Census(Msg, tag="cache.census"):
     held_by_requests: int
     cached_in_tree: int
     ok: bool
+    copying: int = 0
+
+
+class PagesEvictable(Msg, tag="cache.evictable"):
+    """Cache manager to scheduler: pages a short lease could not have (their backup to
+    the host tier was in flight) can be evicted now; asking again may succeed."""
+
+    num_pages: int
 
 
 class CensusBroken(Msg, tag="cache.error.census"):

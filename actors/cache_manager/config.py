@@ -11,6 +11,11 @@ import msgspec
 
 from shunter.actors.cache_manager.radix import EVICTION_POLICIES
 
+# "write_back" (copy at eviction) is not offered: a lease never waits, and a copy would
+# hold its pages past the eviction that asked for them.
+WRITE_POLICIES = ("write_through", "write_through_selective")
+SELECTIVE_HITS = 2
+
 
 class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     num_pages: int
@@ -31,6 +36,14 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Publish BlockStored / BlockRemoved / AllBlocksCleared (this also computes the
     per-page block hash chain)."""
 
+    num_host_pages: int = 0
+    """Pages in the host pool (the executor's host tier); 0: no host tier."""
+
+    write_policy: str = "write_through"
+    """When cached pages are backed up to the host tier: "write_through" (as soon as they
+    enter the tree) or "write_through_selective" (once a match has reached them
+    SELECTIVE_HITS times, so pages used once do not cost a copy)."""
+
     actor_id: str = "cache"
     """This instance's id on the bus."""
 
@@ -43,6 +56,13 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(
                 f"eviction_policy {self.eviction_policy!r} is not supported "
                 f"(choose from {', '.join(EVICTION_POLICIES)})"
+            )
+        if not isinstance(self.num_host_pages, int) or self.num_host_pages < 0:
+            raise ValueError(f"num_host_pages must be >= 0, got {self.num_host_pages!r}")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(
+                f"write_policy {self.write_policy!r} is not supported "
+                f"(choose from {', '.join(WRITE_POLICIES)})"
             )
         if not self.actor_id:
             raise ValueError("actor_id must not be empty")
@@ -60,6 +80,8 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
             "disable_radix_cache": int(self.disable_radix_cache),
             "eviction_policy": self.eviction_policy,
             "emit_kv_events": int(self.emit_kv_events),
+            "num_host_pages": self.num_host_pages,
+            "write_policy": self.write_policy,
         }
 
     @classmethod
@@ -72,6 +94,8 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
                 disable_radix_cache=bool(int(info.get("disable_radix_cache", 0))),
                 eviction_policy=str(info.get("eviction_policy", "lru")),
                 emit_kv_events=bool(int(info.get("emit_kv_events", 1))),
+                num_host_pages=int(info.get("num_host_pages", 0)),
+                write_policy=str(info.get("write_policy", "write_through")),
                 actor_id=actor_id,
             )
         except KeyError as e:

@@ -24,11 +24,27 @@ Theory of operation
     handed over by ChunkCached but kept aside count as held. Census is published, and
     CensusBroken too when free + leased_unused + held + cached != total.
 
+    Host tier (config.num_host_pages > 0). The core also owns a host pool's pages, in
+    a second ledger (OUT there means a backup is writing the page, TREE that a node
+    holds it). A node entering the tree (write_through), or reached by its
+    SELECTIVE_HITS-th match (write_through_selective), is backed up: host pages are
+    taken (host-only leaves evicted LRU when short; no room at all skips the backup)
+    and SpillPages asks the executor to copy. Device eviction demotes a backed-up leaf
+    (its device pages go, the node stays host-only), skips one whose backup is still
+    in flight (a short grant then owes the scheduler a PagesEvictable once a backup
+    lands), and drops the rest. A match reaching into host-only nodes takes device
+    pages for them (evicting when short; as far down as they reach), attaches them
+    and sends LoadPages; the request's Matched, and that of any request whose match
+    reaches pages still loading, waits for the PagesLoaded. A failed load leaves its
+    nodes invalid (matches stop before them; eviction drops them) and matches its
+    waiters again; a failed backup forgets the host copy.
+
     DropTree reclaims every page of the tree (differenced against the free set), locked
     ones too when include_locked; without include_locked (/flush_cache) it is refused
     while any node is locked, i.e. while any request is waiting or running (as SGLang
-    refuses a flush with requests in flight). It is refused while a spill/load copy is
-    in flight. Requests whose locked path was dropped remember those pages
+    refuses a flush with requests in flight). It waits while a copy is in flight (no
+    new copy starts meanwhile) and is carried out when the last one is answered; the
+    host tier is dropped with the tree. Requests whose locked path was dropped remember those pages
     ("reclaimed") and never free them later; TreeDropped.tree_version tells the
     scheduler that every earlier match is stale (it refreshes before admission).
 
@@ -40,7 +56,10 @@ Theory of operation
     randomness is read, so a recorded inbox replays to the same outbox.
 
 Invariants (checked by tests/actors/cache_manager, after every message)
-    - ledger counts: free + OUT + TREE + ASIDE == num_pages; TREE == tree.num_pages.
+    - ledger counts: free + OUT + TREE + ASIDE == num_pages; TREE == tree.num_pages;
+      host ledger: OUT == the pages of backups in flight, TREE + OUT ==
+      tree.num_host_pages (a node's host pages are cached or being written).
+    - a device page being loaded reaches no Matched before its PagesLoaded.
     - the tree's pages are exactly the ledger's TREE pages; no page is in two places.
     - a node with lock_ref > 0 is never evicted; locks == matched requests' paths.
 """
@@ -48,8 +67,8 @@ Invariants (checked by tests/actors/cache_manager, after every message)
 from __future__ import annotations
 
 from shunter.actors.cache_manager.allocator import ASIDE, FREE, OUT, TREE, PageLedger
-from shunter.actors.cache_manager.config import CacheConfig
-from shunter.actors.cache_manager.radix import Node, RadixTree
+from shunter.actors.cache_manager.config import SELECTIVE_HITS, CacheConfig
+from shunter.actors.cache_manager.radix import EvictedBlock, Node, RadixTree
 from shunter.actors.cache_manager.stats import CacheStatistics
 from shunter.bus.messages import (
     AllBlocksCleared,
@@ -66,6 +85,7 @@ from shunter.bus.messages import (
     LoadPages,
     Matched,
     Msg,
+    PagesEvictable,
     PagesLoaded,
     PagesSpilled,
     RefreshMatch,
@@ -79,7 +99,7 @@ from shunter.bus.messages import (
 
 Inbox = (
     Tokenized | RefreshMatch | LeaseRequest | LeaseReturned | ChunkCached | SequenceReleased
-    | SchedulerCensus | DropTree | SpillPages | PagesSpilled | LoadPages | PagesLoaded
+    | SchedulerCensus | DropTree | PagesSpilled | PagesLoaded
 )  # fmt: skip
 INBOX_TYPES: tuple[type[Msg], ...] = Inbox.__args__  # type: ignore[attr-defined]
 
@@ -107,7 +127,8 @@ def _retracted_bound(t: Tokenized, computed: list[int]) -> int:
 
 
 class _Request:
-    __slots__ = ("aside", "key_tokens", "max_match", "node", "reclaimed", "tokenized")
+    __slots__ = ("aside", "key_tokens", "max_match", "node", "reclaimed", "tokenized",
+                 "waiting")  # fmt: skip
 
     def __init__(self, tokenized: Tokenized, key_tokens: list[int], max_match: int) -> None:
         self.tokenized = tokenized
@@ -116,6 +137,7 @@ class _Request:
         self.node: Node | None = None  # locked node of the current match
         self.aside: set[int] = set()  # its pages kept aside (see allocator.ASIDE)
         self.reclaimed: frozenset[int] = frozenset()  # its path pages a DropTree took
+        self.waiting: set[int] = set()  # loads its Matched waits for (copy ids)
 
 
 class CacheManagerCore:
@@ -123,15 +145,27 @@ class CacheManagerCore:
         self.config = config
         self.page_size = config.page_size
         self.ledger = PageLedger(config.num_pages)
-        self.tree = RadixTree(config.page_size, hash_blocks=config.emit_kv_events,
+        self.host = PageLedger(config.num_host_pages) if config.num_host_pages else None
+        self.tree = RadixTree(config.page_size,
+                              hash_blocks=config.emit_kv_events or self.host is not None,
                               eviction_policy=config.eviction_policy)  # fmt: skip
         self.requests: dict[str, _Request] = {}
         self._aside_owner = self.ledger.aside_owner
         self._leases_in_flight: dict[int, int] = {}  # lease_seq -> pages granted
-        self._copies_in_flight: set[int] = set()
+        self._selective = config.write_policy == "write_through_selective"
+        self._next_copy = 1
+        self._writes: dict[int, list[int]] = {}  # copy id -> host pages being written
+        self._loads: dict[int, list[int]] = {}  # copy id -> device pages being loaded
+        self._page_load: dict[int, int] = {}  # device page being loaded -> copy id
+        self._waiters: dict[int, dict[str, None]] = {}  # load copy id -> requests (in order)
+        self._drops: list[DropTree] = []  # waiting for the copies in flight
+        self._blocked = False  # the last eviction skipped a leaf whose backup is in flight
+        self._owe_relief = False  # a short grant awaits a backup landing (PagesEvictable)
         self._clock = 0
         self._num_matches = self._num_queried = self._num_hit = 0
         self._num_evicted = self._num_refused = self._num_broken = 0
+        self._num_host_hit = self._num_spilled = self._num_loaded = self._num_demoted = 0
+        self._num_skipped = self._num_failed = self._num_deferred = 0
 
     def handle(self, msg: Msg) -> list[Msg]:
         self._clock += 1
@@ -141,10 +175,10 @@ class CacheManagerCore:
                 return self._on_tokenized(msg)
             case RefreshMatch(request_id=rid):
                 req = self.requests.get(rid)
-                if req is None:  # released meanwhile; nothing to refresh
+                if req is None or req.waiting:  # released meanwhile, or a match to come
                     return []
                 self._unlock(req)
-                return [self._match(req)]
+                return self._match(req)
             case LeaseRequest():
                 return self._on_lease(msg)
             case LeaseReturned(pages=pages):
@@ -161,12 +195,10 @@ class CacheManagerCore:
                 return self._on_census(msg)
             case DropTree():
                 return self._on_drop(msg)
-            case SpillPages(copy_id=cid) | LoadPages(copy_id=cid):
-                self._copies_in_flight.add(cid)
-                return []
-            case PagesSpilled(copy_id=cid) | PagesLoaded(copy_id=cid):
-                self._copies_in_flight.discard(cid)
-                return []
+            case PagesSpilled():
+                return self._on_spilled(msg)
+            case PagesLoaded():
+                return self._on_loaded(msg)
         raise TypeError(f"cache manager core cannot handle {type(msg).__name__}")
 
     # -- matching -----------------------------------------------------------------
@@ -176,45 +208,219 @@ class CacheManagerCore:
             msg = f"request id {t.request_id!r} is already in use"
             return [RequestFailed(t.request_id, "invalid_request", msg, 400)]
         req = self.requests[t.request_id] = _Request(t, t.input_ids, _first_match_bound(t))
-        return [self._match(req)]
+        return self._match(req)
 
-    def _match(self, req: _Request) -> Matched:
-        """Lock and publish the longest cached prefix, leaving >= 1 token to compute
-        (and every token whose prompt logprob was asked for): see _first_match_bound."""
+    def _match(self, req: _Request) -> list[Msg]:
+        """Lock the longest cached prefix, leaving >= 1 token to compute (and every
+        token whose prompt logprob was asked for): see _first_match_bound. Its Matched
+        goes out now, or once the loads it waits for are answered (the module
+        docstring's host tier)."""
         key = req.key_tokens
         req.reclaimed = frozenset()
         self._num_matches += 1
         self._num_queried += len(key)
         limit = min(len(key), req.max_match)
         if self.config.disable_radix_cache or limit < self.page_size:
-            return Matched(req.tokenized, 0, [], self.tree.version)
-        found = self.tree.match(req.tokenized.extra_key, key[:limit], hit=True)
-        self.tree.lock(found.node)
-        req.node = found.node
-        self._num_hit += found.num_tokens
-        return Matched(req.tokenized, found.num_tokens, found.pages, self.tree.version)
+            return [Matched(req.tokenized, 0, [], self.tree.version)]
+        copying = self.host is not None and not self._drops
+        found = self.tree.match(req.tokenized.extra_key, key[:limit], hit=True,
+                                through_host=copying)  # fmt: skip
+        out: list[Msg] = []
+        node = found.node
+        if found.num_tokens > len(found.pages) * self.page_size:
+            node = self._load(node, out)
+        self.tree.lock(node)
+        req.node = node
+        pages = self.tree.path_pages(node)
+        self._num_hit += len(pages) * self.page_size
+        if copying and self._selective:
+            n = node
+            while n.parent is not None:
+                if n.hit_count >= SELECTIVE_HITS and not n.host_pages:
+                    self._backup(n, out)
+                n = n.parent
+        if self._page_load:
+            for p in pages:
+                cid = self._page_load.get(p)
+                if cid is not None and cid not in req.waiting:
+                    req.waiting.add(cid)
+                    self._waiters[cid][req.tokenized.request_id] = None
+        if not req.waiting:
+            out.append(self._matched(req))
+        return out
+
+    def _matched(self, req: _Request) -> Matched:
+        pages = self.tree.path_pages(req.node) if req.node is not None else []
+        num = len(pages) * self.page_size
+        return Matched(req.tokenized, num, pages, self.tree.version)
 
     def _unlock(self, req: _Request) -> None:
         if req.node is not None:
             self.tree.unlock(req.node)
             req.node = None
 
+    # -- host tier ----------------------------------------------------------------
+
+    def _copy_id(self) -> int:
+        cid = self._next_copy
+        self._next_copy += 1
+        return cid
+
+    def _decide(self, leaf: Node) -> str:
+        """What device eviction does to a leaf (RadixTree.evict)."""
+        host = self.host
+        if host is None or not leaf.host_pages:
+            return "drop"
+        if any(host.owner[h] == OUT for h in leaf.host_pages):
+            self._blocked = True
+            return "skip"
+        return "demote" if leaf.valid else "drop"
+
+    def _release_blocks(self, blocks: list[EvictedBlock], out: list[Msg]) -> int:
+        """Free what eviction took out of the tree; returns the device pages freed."""
+        pages = [p for b in blocks for p in b.pages]
+        assert all(self.ledger.owner[p] == TREE for p in pages)
+        self.ledger.free(pages)
+        host = [p for b in blocks for p in b.host_pages]
+        if host:
+            assert self.host is not None
+            self.host.free(host)
+        hashes = [h for b in blocks for h in b.hashes]
+        if self.config.emit_kv_events and hashes:
+            out.append(BlockRemoved(hashes))
+        self._num_demoted += sum(len(b.pages) for b in blocks if not b.hashes)
+        return len(pages)
+
+    def _evict(self, num_pages: int, out: list[Msg]) -> int:
+        self._blocked = False
+        if num_pages <= 0 or not self.tree.num_pages:
+            return 0
+        return self._release_blocks(self.tree.evict(num_pages, self._decide), out)
+
+    def _backup(self, node: Node, out: list[Msg]) -> None:
+        """Copy a device-resident node to host pages (SpillPages), room permitting."""
+        host = self.host
+        if host is None or self._drops or node.host_pages or not node.valid:
+            return
+        n = len(node.pages)
+        if host.num_free < n:
+            self._release_blocks(self.tree.evict_host(n - host.num_free), out)
+            if host.num_free < n:
+                self._num_skipped += 1
+                return
+        host_pages = host.take(n)
+        self.tree.set_host_pages(node, host_pages)
+        cid = self._copy_id()
+        self._writes[cid] = host_pages
+        out.append(SpillPages(cid, list(node.hashes), list(node.pages), host_pages))
+
+    def _load(self, node: Node, out: list[Msg]) -> Node:
+        """Load back the host-only nodes ending at node (the end of a match), from the
+        top as far as free (or evictable) device pages reach, splitting the node where
+        they run out; returns the deepest device-resident node of the path then."""
+        host_path: list[Node] = []
+        while node.parent is not None and not node.pages:
+            host_path.append(node)
+            node = node.parent
+        host_path.reverse()
+        need = sum(len(n.host_pages) for n in host_path)
+        if need > self.ledger.num_free:
+            self.tree.lock(node)  # keep the path's device part in place
+            self._num_evicted += self._evict(need - self.ledger.num_free, out)
+            self.tree.unlock(node)
+        room = self.ledger.num_free
+        loaded: list[Node] = []
+        for n in host_path:
+            if len(n.host_pages) > room:  # load the head that fits, if any
+                if room:
+                    loaded.append(self.tree.split(n, room * self.page_size))
+                break
+            room -= len(n.host_pages)
+            loaded.append(n)
+        if not loaded:
+            return node
+        cid = self._copy_id()
+        device: list[int] = []
+        for n in loaded:
+            pages = self.ledger.take(len(n.host_pages))
+            self.ledger.move(pages, OUT, TREE)
+            self.tree.attach(n, pages)
+            device += pages
+        self._loads[cid] = device
+        self._waiters[cid] = {}
+        for p in device:
+            self._page_load[p] = cid
+        self._num_host_hit += len(device) * self.page_size
+        out.append(LoadPages(cid, [h for n in loaded for h in n.hashes],
+                             [p for n in loaded for p in n.host_pages], device))  # fmt: skip
+        return loaded[-1]
+
+    def _on_spilled(self, msg: PagesSpilled) -> list[Msg]:
+        host_pages = self._writes.pop(msg.copy_id, None)
+        if host_pages is None:  # not a backup of ours (or answered twice)
+            return []
+        assert self.host is not None
+        out: list[Msg] = []
+        if self._owe_relief:  # landed or not, its pages can be evicted now
+            self._owe_relief = False
+            out.append(PagesEvictable(len(host_pages)))
+        if msg.ok:
+            self.host.move(host_pages, OUT, TREE)
+            self._num_spilled += len(host_pages)
+        else:
+            self._num_failed += 1
+            lost = set(host_pages)
+            for n in self.tree.nodes():
+                if n.host_pages and lost.intersection(n.host_pages):
+                    self.tree.set_host_pages(n, [])
+            self.host.free(host_pages)
+        self._drop_when_idle(out)
+        return out
+
+    def _on_loaded(self, msg: PagesLoaded) -> list[Msg]:
+        device = self._loads.pop(msg.copy_id, None)
+        if device is None:
+            return []
+        for p in device:
+            del self._page_load[p]
+        out: list[Msg] = []
+        if msg.ok:
+            self._num_loaded += len(device)
+        else:
+            self._num_failed += 1
+            bad = set(device)
+            for n in self.tree.nodes():
+                if n.pages and bad.intersection(n.pages):
+                    n.valid = False
+        for rid in self._waiters.pop(msg.copy_id):
+            req = self.requests[rid]
+            req.waiting.discard(msg.copy_id)
+            if not msg.ok:  # match again: it stops before the nodes that failed
+                for cid in req.waiting:
+                    del self._waiters[cid][rid]
+                req.waiting.clear()
+                self._unlock(req)
+                out += self._match(req)
+            elif not req.waiting:
+                out.append(self._matched(req))
+        self._drop_when_idle(out)
+        return out
+
+    def _drop_when_idle(self, out: list[Msg]) -> None:
+        if self._drops and not (self._writes or self._loads):
+            drops, self._drops = self._drops, []
+            for d in drops:
+                out += self._drop(d)
+
     # -- leases -------------------------------------------------------------------
 
     def _on_lease(self, msg: LeaseRequest) -> list[Msg]:
         out: list[Msg] = []
-        num_evicted = 0
-        short = msg.num_pages - self.ledger.num_free
-        if short > 0 and self.tree.num_pages:
-            blocks = self.tree.evict(short)
-            pages = [p for b in blocks for p in b.pages]
-            assert all(self.ledger.owner[p] == TREE for p in pages)
-            self.ledger.free(pages)
-            num_evicted = len(pages)
-            self._num_evicted += num_evicted
-            if self.config.emit_kv_events and blocks:
-                out.append(BlockRemoved([h for b in blocks for h in b.hashes]))
+        num_evicted = self._evict(msg.num_pages - self.ledger.num_free, out)
+        self._num_evicted += num_evicted
         pages = self.ledger.take(max(msg.num_pages, 0))
+        if len(pages) < msg.num_pages and self._blocked:
+            self._owe_relief = True
         flights = self._leases_in_flight
         flights[msg.lease_seq] = flights.get(msg.lease_seq, 0) + len(pages)
         out.append(LeaseGranted(msg.lease_seq, pages, num_evicted))
@@ -269,8 +475,9 @@ class CacheManagerCore:
             if head == ins.cached_pages
             else [p for p, q in zip(head, ins.cached_pages) if p != q]
         )
-        if ins.new_node is not None:
+        if len(pages) > k:  # a new leaf, or host-only nodes that took these pages
             self._to_tree(pages[k:])
+        if ins.new_node is not None:
             if self.config.emit_kv_events:
                 leaf = ins.new_node
                 assert leaf.parent is not None
@@ -280,6 +487,8 @@ class CacheManagerCore:
                         list(leaf.hashes), parent_hash, list(leaf.key), self.page_size, ns or None
                     )
                 )
+            if not self._selective:
+                self._backup(ins.new_node, out)
         return ins.node, dups
 
     def _on_chunk(self, msg: ChunkCached) -> list[Msg]:
@@ -333,6 +542,8 @@ class CacheManagerCore:
         req.aside.clear()
         self.ledger.free(to_free)
         self._unlock(req)
+        for cid in req.waiting:  # (the scheduler releases only what it was matched)
+            del self._waiters[cid][rid]
         del self.requests[rid]
         if msg.reason == "retracted":
             if msg.token_ids:  # matched over what it computed
@@ -340,7 +551,7 @@ class CacheManagerCore:
             else:  # computed nothing: as before
                 key, bound = req.key_tokens, req.max_match
             again = self.requests[rid] = _Request(req.tokenized, key, bound)
-            out.append(self._match(again))
+            out += self._match(again)
         return out
 
     # -- census and drop ----------------------------------------------------------
@@ -370,19 +581,38 @@ class CacheManagerCore:
                 f"(+ {in_flight} granted after lease {msg.last_lease_seq})"
             )
             out.append(CensusBroken(msg.step_id, "device", counted - total, detail))
+        host = self.host
+        if host is not None:
+            hc = host.counts  # a node's host pages are cached, or still being written
+            writing = sum(len(ps) for ps in self._writes.values())
+            cached = self.tree.num_host_pages - writing
+            counted = hc[FREE] + writing + cached
+            ok = counted == host.num_pages and hc[TREE] == cached and hc[OUT] == writing
+            out.append(Census(msg.step_id, "host", host.num_pages, hc[FREE], 0, 0, cached, ok,
+                              writing))  # fmt: skip
+            if not ok:
+                self._num_broken += 1
+                detail = (f"host ledger {hc[FREE]} free, {hc[OUT]} writing, {hc[TREE]} "
+                          f"cached; the tree holds {cached}, backups in flight {writing}")  # fmt: skip
+                out.append(CensusBroken(msg.step_id, "host", counted - host.num_pages, detail))
         return out
 
     def _on_drop(self, msg: DropTree) -> list[Msg]:
+        if self._writes or self._loads:
+            self._num_deferred += 1
+            self._drops.append(msg)
+            return []
+        return self._drop(msg)
+
+    def _drop(self, msg: DropTree) -> list[Msg]:
         tree = self.tree
-        if self._copies_in_flight:
-            ids = sorted(self._copies_in_flight)
-            why = f"{len(ids)} KV copies in flight (copy ids {ids[:8]})"
-            return [TreeDropped(msg.flip_id, 0, False, why, tree.version)]
         if not msg.include_locked and tree.num_locked_nodes:
             num = sum(1 for r in self.requests.values() if r.node is not None and r.node.lock_ref)
             why = f"{num} requests hold prefix locks; flushing needs an idle engine"
             return [TreeDropped(msg.flip_id, 0, False, why, tree.version)]
         reclaim = [p for p in tree.all_pages() if not self.ledger.is_free(p)]
+        if self.host is not None:
+            self.host.free(tree.all_host_pages())
         for req in self.requests.values():
             if req.node is not None:
                 req.reclaimed = frozenset(tree.path_pages(req.node))
@@ -406,7 +636,7 @@ class CacheManagerCore:
             num_locked_pages=self.tree.num_locked_pages,
             num_requests=len(self.requests),
             num_leases_in_flight=sum(self._leases_in_flight.values()),
-            num_copies_in_flight=len(self._copies_in_flight),
+            num_copies_in_flight=len(self._writes) + len(self._loads),
             tree_version=self.tree.version,
             num_matches=self._num_matches,
             num_queried_tokens=self._num_queried,
@@ -414,4 +644,19 @@ class CacheManagerCore:
             num_evicted_pages=self._num_evicted,
             num_free_refused=self._num_refused,
             num_census_broken=self._num_broken,
+            **self._host_statistics(),
         )
+
+    def _host_statistics(self) -> dict[str, int]:
+        host = self.host
+        if host is None:
+            return {}
+        return dict(
+            num_host_pages=host.num_pages, num_host_free=host.counts[FREE],
+            num_host_in_tree=host.counts[TREE], num_host_writing=host.counts[OUT],
+            num_host_only_nodes=sum(1 for n in self.tree.nodes() if n.host_only),
+            num_host_hit_tokens=self._num_host_hit, num_spilled_pages=self._num_spilled,
+            num_loaded_pages=self._num_loaded, num_demoted_pages=self._num_demoted,
+            num_backups_skipped=self._num_skipped, num_copies_failed=self._num_failed,
+            num_drops_deferred=self._num_deferred,
+        )  # fmt: skip

@@ -14,17 +14,32 @@ Theory of operation
     with the "lfu" policy, fewest `hit_count` first (matches through the node, counted
     from its insert), then as LRU.
 
+    Host tier. A node may also hold `host_pages`: a copy of its pages in the host pool
+    (as many as its pages, position for position). Device eviction then only demotes a
+    node: its device pages go, the node stays with its host copy ("host-only"), and a
+    later match can reach into it (`through_host`) for the owner to load it back
+    (`attach`). The device-resident nodes are closed upwards: a host-only node's
+    descendants are all host-only, so a match's device part is a prefix of its path.
+    `leaves` are the device-resident nodes without device-resident children (what device
+    eviction takes); `host_leaves` are the host-only nodes without children (what host
+    eviction takes). A node whose load failed is not `valid`: matches stop before it,
+    inserts count its positions as cached, and eviction drops it with its subtree.
+
     Each page also gets a block hash: a chain over page token ids (blake2b of the parent
     hash and the page's ids, truncated to a signed int64; the first page of a namespace
     hashes the namespace instead of a parent), the same in every process (Python's
     `hash()` is salted per process and is not used).
 
 Invariants
-    - len(node.key) == len(node.pages) * page_size for every non-root node; roots are
-      empty. `num_pages` is the sum of len(node.pages) over all nodes.
+    - len(node.key) == len(node.pages) * page_size for every device-resident non-root
+      node, == len(node.host_pages) * page_size for a host-only one, and host_pages is
+      either empty or as long as the key in pages; roots are empty. `num_pages` is the
+      sum of len(node.pages) over all nodes, `num_host_pages` of len(node.host_pages).
+    - a host-only node's children are host-only; a locked node is device-resident.
     - node.lock_ref == number of locks held at or below node; a locked node is never
       evicted, and neither is an ancestor of one (it is not a leaf).
-    - `leaves` is exactly the set of non-root nodes without children.
+    - `leaves` is exactly the set of device-resident non-root nodes without
+      device-resident children; `host_leaves` of host-only nodes without children.
 """
 
 from __future__ import annotations
@@ -32,6 +47,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 from array import array
+from collections.abc import Callable
 from typing import NamedTuple
 
 
@@ -50,6 +66,7 @@ class Node:
         "children",
         "hashes",
         "hit_count",
+        "host_pages",
         "key",
         "last_access",
         "lock_ref",
@@ -57,6 +74,7 @@ class Node:
         "node_id",
         "pages",
         "parent",
+        "valid",
     )
 
     def __init__(self, node_id: int, namespace: str, parent: Node | None) -> None:
@@ -65,15 +83,22 @@ class Node:
         self.parent = parent
         self.key: list[int] = []
         self.pages: list[int] = []
+        self.host_pages: list[int] = []  # its copy in the host pool, or none
         self.hashes: list[int] = []  # one per page, empty when hashing is off
         self.children: dict[int | tuple[int, ...], Node] = {}
         self.lock_ref = 0
         self.last_access = 0
         self.hit_count = 0  # request lookups that reached through it, and its own insert
+        self.valid = True  # False: its device pages hold nothing usable (a failed load)
 
     @property
     def is_root(self) -> bool:
         return self.parent is None
+
+    @property
+    def host_only(self) -> bool:
+        """Evicted from the device; its tokens live on in its host copy."""
+        return not self.pages and bool(self.host_pages)
 
     def __repr__(self) -> str:
         return f"Node({self.node_id}, ns={self.namespace!r}, {len(self.key)} tok, lock={self.lock_ref})"
@@ -81,8 +106,8 @@ class Node:
 
 class MatchResult(NamedTuple):
     node: Node  # deepest node fully covered by the match (a root when nothing matched)
-    pages: list[int]  # the tree's pages for the matched tokens
-    num_tokens: int  # matched tokens, a multiple of page_size
+    pages: list[int]  # the tree's device pages for the matched tokens (device part)
+    num_tokens: int  # matched tokens, a multiple of page_size (host part included)
 
 
 class InsertResult(NamedTuple):
@@ -93,8 +118,9 @@ class InsertResult(NamedTuple):
 
 
 class EvictedBlock(NamedTuple):
-    pages: list[int]
-    hashes: list[int]
+    pages: list[int]  # device pages freed
+    hashes: list[int]  # blocks that left the tree (none when a node was only demoted)
+    host_pages: list[int] = []  # host pages freed
 
 
 EVICTION_POLICIES = ("lru", "lfu")
@@ -113,10 +139,12 @@ class RadixTree:
         self.now = 0  # logical time stamped on touched nodes; set by the owner
         self.version = 0  # inserts that added tokens, plus one per clear()
         self.num_pages = 0
+        self.num_host_pages = 0
         self.num_locked_nodes = 0
         self.num_locked_pages = 0
         self.roots: dict[str, Node] = {}
         self.leaves: set[Node] = set()
+        self.host_leaves: set[Node] = set()
         self._next_id = 0
 
     # -- lookups ------------------------------------------------------------------
@@ -156,10 +184,14 @@ class RadixTree:
         return lo
 
     def match(self, namespace: str, tokens: list[int], *, split: bool = True,
-              hit: bool = False) -> MatchResult:  # fmt: skip
+              hit: bool = False, through_host: bool = False,
+              valid_only: bool = True) -> MatchResult:  # fmt: skip
         """Longest cached page-aligned prefix of tokens. With split, an edge the match
         ends inside is split so that the result's node ends exactly at the match. With
-        hit, a request's lookup: each node it reaches counts one more hit (LFU)."""
+        hit, a request's lookup: each node it reaches counts one more hit (LFU). The
+        match stops before a host-only node unless through_host (then num_tokens counts
+        the host part too, and pages are the device part's), and before a node that is
+        not valid unless valid_only is False."""
         ps = self.page_size
         end = len(tokens) - len(tokens) % ps
         node = self.roots.get(namespace)
@@ -170,7 +202,11 @@ class RadixTree:
         now = self.now
         while pos < end:
             child = node.children.get(self._child_key(tokens, pos))
-            if child is None:
+            if (
+                child is None
+                or (valid_only and not child.valid)
+                or (not through_host and not child.pages)
+            ):
                 break
             m = self._common_len(child.key, tokens, pos, end)
             if m < len(child.key):
@@ -180,7 +216,7 @@ class RadixTree:
                     pages += child.pages[: m // ps]
                     pos += m
                     break
-                child = self._split(child, m)
+                child = self.split(child, m)
             child.last_access = now
             child.hit_count += hit
             pages += child.pages
@@ -198,8 +234,9 @@ class RadixTree:
 
     # -- changes ------------------------------------------------------------------
 
-    def _split(self, child: Node, m: int) -> Node:
-        """Cut child's edge after m tokens; returns the new upper node."""
+    def split(self, child: Node, m: int) -> Node:
+        """Cut child's edge after m tokens (0 < m < its length, page-aligned); returns
+        the new upper node."""
         ps = self.page_size
         parent = child.parent
         assert parent is not None and 0 < m < len(child.key) and m % ps == 0
@@ -208,6 +245,9 @@ class RadixTree:
         head.key, child.key = child.key[:m], child.key[m:]
         head.pages, child.pages = child.pages[:k], child.pages[k:]
         head.hashes, child.hashes = child.hashes[:k], child.hashes[k:]
+        if child.host_pages:
+            head.host_pages, child.host_pages = child.host_pages[:k], child.host_pages[k:]
+        head.valid = child.valid
         head.lock_ref = child.lock_ref
         head.last_access = child.last_access
         head.hit_count = child.hit_count
@@ -220,7 +260,9 @@ class RadixTree:
 
     def insert(self, namespace: str, tokens: list[int], pages: list[int]) -> InsertResult:
         """Cache tokens (page-aligned) held in pages (one per page of tokens). Positions
-        already cached keep the tree's pages; the caller frees the duplicates."""
+        already cached on the device keep the tree's pages; the caller frees the
+        duplicates. Host-only nodes on the way take the given pages as their device
+        pages (`attach`): those count as new, like the new leaf's."""
         ps = self.page_size
         if len(tokens) % ps or len(pages) != len(tokens) // ps:
             raise ValueError(
@@ -228,9 +270,20 @@ class RadixTree:
                 f"page_size {ps}"
             )
         self.root(namespace)
-        found = self.match(namespace, tokens)
+        found = self.match(namespace, tokens, through_host=True, valid_only=False)
+        num_cached = len(found.pages) * ps
+        if num_cached < found.num_tokens:  # host-only nodes on the way: attach, top down
+            host_path: list[Node] = []
+            n = found.node
+            while not n.pages and n.parent is not None:
+                host_path.append(n)
+                n = n.parent
+            at = len(found.pages)
+            for n in reversed(host_path):
+                self.attach(n, pages[at : at + len(n.host_pages)])
+                at += len(n.host_pages)
         if found.num_tokens == len(tokens):
-            return InsertResult(found.node, found.num_tokens, found.pages, None)
+            return InsertResult(found.node, num_cached, found.pages, None)
         parent = found.node
         leaf = self._new_node(namespace, parent)
         leaf.key = tokens[found.num_tokens :]
@@ -247,7 +300,25 @@ class RadixTree:
         self.leaves.add(leaf)
         self.num_pages += len(leaf.pages)
         self.version += 1
-        return InsertResult(leaf, found.num_tokens, found.pages, leaf)
+        return InsertResult(leaf, num_cached, found.pages, leaf)
+
+    def attach(self, node: Node, pages: list[int]) -> None:
+        """Give a host-only node device pages again (a load-back, or an insert of the
+        same tokens); its parent must be device-resident."""
+        assert node.host_only and node.lock_ref == 0 and len(pages) == len(node.host_pages)
+        parent = node.parent
+        assert parent is not None and (parent.pages or parent.parent is None)
+        node.pages = list(pages)
+        self.num_pages += len(pages)
+        self.host_leaves.discard(node)
+        self.leaves.discard(parent)
+        self.leaves.add(node)
+
+    def set_host_pages(self, node: Node, host_pages: list[int]) -> None:
+        """Record (or, with [], forget) a device-resident node's host copy."""
+        assert node.pages and (not host_pages or len(host_pages) == len(node.pages))
+        self.num_host_pages += len(host_pages) - len(node.host_pages)
+        node.host_pages = list(host_pages)
 
     def lock(self, node: Node) -> None:
         while node.parent is not None:
@@ -274,10 +345,14 @@ class RadixTree:
             return (n.hit_count, n.last_access, n.node_id, n)
         return (n.last_access, n.node_id, n)
 
-    def evict(self, num_pages: int) -> list[EvictedBlock]:
-        """Remove unlocked leaves until at least num_pages pages came out or nothing
-        unlocked is left, least recently used first ("lru"), or least often hit first,
-        then least recently ("lfu"). Whole nodes go."""
+    def evict(self, num_pages: int,
+              decide: Callable[[Node], str] | None = None) -> list[EvictedBlock]:  # fmt: skip
+        """Take device pages from unlocked leaves until at least num_pages came out or
+        nothing unlocked is left, least recently used first ("lru"), or least often hit
+        first, then least recently ("lfu"). Whole nodes go. `decide(leaf)` says what
+        happens to each: "drop" (the default: it leaves the tree with its host-only
+        subtree), "demote" (it keeps its host copy and becomes host-only) or "skip"
+        (it stays as it is this time)."""
         heap = [self._evict_key(n) for n in self.leaves if n.lock_ref == 0]
         heapq.heapify(heap)
         out: list[EvictedBlock] = []
@@ -285,22 +360,76 @@ class RadixTree:
         while freed < num_pages and heap:
             leaf = heapq.heappop(heap)[-1]
             parent = leaf.parent
-            assert parent is not None and not leaf.children and leaf.lock_ref == 0
-            del parent.children[self._child_key(leaf.key, 0)]
-            self.leaves.discard(leaf)
-            self.num_pages -= len(leaf.pages)
+            assert parent is not None and leaf.pages and leaf.lock_ref == 0
+            what = decide(leaf) if decide is not None else "drop"
+            if what == "skip":
+                continue
             freed += len(leaf.pages)
-            out.append(EvictedBlock(leaf.pages, leaf.hashes))
-            if parent.parent is not None and not parent.children:
-                self.leaves.add(parent)
-                if parent.lock_ref == 0:
-                    heapq.heappush(heap, self._evict_key(parent))
-            elif parent.parent is None and not parent.children and parent.namespace:
+            self.leaves.discard(leaf)
+            if what == "demote":
+                assert leaf.host_pages and leaf.valid
+                out.append(EvictedBlock(leaf.pages, []))
+                self.num_pages -= len(leaf.pages)
+                leaf.pages = []
+                if not leaf.children:
+                    self.host_leaves.add(leaf)
+            else:
+                out.append(self._remove(leaf))
+            if parent.parent is not None:
+                if not any(c.pages for c in parent.children.values()):
+                    self.leaves.add(parent)
+                    if parent.lock_ref == 0:
+                        heapq.heappush(heap, self._evict_key(parent))
+            elif not parent.children and parent.namespace:
                 del self.roots[parent.namespace]  # empty namespace: forget its root
         return out
 
+    def evict_host(self, num_pages: int) -> list[EvictedBlock]:
+        """Remove host-only leaves until at least num_pages host pages came out or none
+        is left, in the order `evict` uses."""
+        heap = [self._evict_key(n) for n in self.host_leaves]
+        heapq.heapify(heap)
+        out: list[EvictedBlock] = []
+        freed = 0
+        while freed < num_pages and heap:
+            leaf = heapq.heappop(heap)[-1]
+            parent = leaf.parent
+            assert parent is not None and leaf.host_only and not leaf.children
+            out.append(self._remove(leaf))
+            freed += len(out[-1].host_pages)
+            if parent.parent is None:
+                if not parent.children and parent.namespace:
+                    del self.roots[parent.namespace]
+            elif parent.host_only and not parent.children:
+                self.host_leaves.add(parent)
+                heapq.heappush(heap, self._evict_key(parent))
+        return out
+
+    def _remove(self, top: Node) -> EvictedBlock:
+        """Take an unlocked node out of the tree with its subtree (which must be
+        host-only); its parent's leaf status is the caller's."""
+        parent = top.parent
+        assert parent is not None and top.lock_ref == 0
+        del parent.children[self._child_key(top.key, 0)]
+        pages, hashes, host = list(top.pages), [], []
+        stack = [top]
+        while stack:
+            n = stack.pop()
+            assert n is top or not n.pages, "a device-resident node under an evicted one"
+            hashes += n.hashes
+            host += n.host_pages
+            self.host_leaves.discard(n)
+            stack.extend(n.children.values())
+        self.leaves.discard(top)
+        self.num_pages -= len(pages)
+        self.num_host_pages -= len(host)
+        return EvictedBlock(pages, hashes, host)
+
     def all_pages(self) -> list[int]:
         return [p for node in self.nodes() for p in node.pages]
+
+    def all_host_pages(self) -> list[int]:
+        return [p for node in self.nodes() for p in node.host_pages]
 
     def nodes(self) -> list[Node]:
         """Every non-root node, parents before children."""
@@ -317,5 +446,7 @@ class RadixTree:
         """Forget every node (locked ones too); the caller reclaims their pages."""
         self.roots.clear()
         self.leaves.clear()
-        self.num_pages = self.num_locked_nodes = self.num_locked_pages = 0
+        self.host_leaves.clear()
+        self.num_pages = self.num_host_pages = 0
+        self.num_locked_nodes = self.num_locked_pages = 0
         self.version += 1

@@ -24,6 +24,19 @@ class CacheStatistics(msgspec.Struct, frozen=True, kw_only=True):
     num_evicted_pages: int
     num_free_refused: int
     num_census_broken: int
+    # the host tier (all 0 when it is off)
+    num_host_pages: int = 0
+    num_host_free: int = 0
+    num_host_in_tree: int = 0  # host copies the tree holds
+    num_host_writing: int = 0  # host pages a backup in flight is writing
+    num_host_only_nodes: int = 0  # evicted from the device, kept on the host
+    num_host_hit_tokens: int = 0  # matched tokens that had to be loaded back
+    num_spilled_pages: int = 0  # backed up to the host (copies answered ok)
+    num_loaded_pages: int = 0  # loaded back to the device (copies answered ok)
+    num_demoted_pages: int = 0  # device pages evicted whose host copy stays
+    num_backups_skipped: int = 0  # no host room even after host eviction
+    num_copies_failed: int = 0
+    num_drops_deferred: int = 0  # DropTree held until the copies in flight were done
 
     @property
     def hit_rate(self) -> float:

@@ -6,7 +6,14 @@ scheduler's plumbing and the books it checks after every step.
 check the books: the ledger partitions [0, num_pages) exactly into the free set, the
 tree, pages kept aside, and pages the model holds (pool, grants in flight, rows);
 locks equal the requests' matched paths; the KV events replay to the tree's block
-hashes; the census is ok. The rules (the scheduler's moves) are in the test module,
+hashes; the census is ok.
+
+It also models what the pages hold: `dev` (device page -> the tokens whose KV it
+holds, written when a row computes them) and `host_data` (host page -> tokens, written
+when a backup is answered). Every Matched's prefix pages must hold its tokens. With a
+host tier (num_host_pages > 0) the machine plays the executor too: copies queue in
+`copies_out` and are answered in order (rule `copy_answer`), so a Matched may come
+later than its request (`loading`), and only bounds on its length are checked. The rules (the scheduler's moves) are in the test module,
 which imports these helpers by name.
 """
 
@@ -23,9 +30,12 @@ from shunter.bus.messages import (
     BlockStored,
     Census,
     FreeRefused,
+    LoadPages,
     Matched,
+    PagesEvictable,
     SchedulerCensus,
     SequenceReleased,
+    SpillPages,
     Tokenized,
 )
 
@@ -44,6 +54,7 @@ class _Running:
     def __init__(self, w: _Waiting, computed: list[int], row: list[int]) -> None:
         self.tok, self.target, self.computed, self.row = w.tok, w.target, computed, row
         self.own_from = len(w.prefix)  # row[:own_from] belong to the cache manager
+        self.first_own = len(w.prefix)  # the row computes into row[first_own:]
 
 
 class CacheMachineBase(RuleBasedStateMachine):
@@ -51,6 +62,8 @@ class CacheMachineBase(RuleBasedStateMachine):
     num_pages = 24
     emit_kv_events = True
     disable_radix_cache = False
+    num_host_pages = 0
+    write_policy = "write_through"
 
     def __init__(self) -> None:
         super().__init__()
@@ -59,8 +72,16 @@ class CacheMachineBase(RuleBasedStateMachine):
             page_size=self.page_size,
             emit_kv_events=self.emit_kv_events,
             disable_radix_cache=self.disable_radix_cache,
+            num_host_pages=self.num_host_pages,
+            write_policy=self.write_policy,
         )
         self.core = CacheManagerCore(cfg)
+        self.host = self.num_host_pages > 0
+        self.copies_out: list[SpillPages | LoadPages] = []  # the executor's queue
+        self.loading: dict[str, tuple[Tokenized, list[int], list[int], int | None]] = {}
+        self.dev: dict[int, tuple[int, ...]] = {}  # device page -> tokens it holds
+        self.host_data: dict[int, tuple[int, ...]] = {}
+        self.drops_pending = 0
         self.ps = self.page_size
         self.pool: list[int] = []
         self.pending: list[tuple[int, list[int]]] = []
@@ -68,7 +89,6 @@ class CacheMachineBase(RuleBasedStateMachine):
         self.waiting: dict[str, _Waiting] = {}
         self.running: dict[str, _Running] = {}
         self.released: list[SequenceReleased] = []
-        self.copies: set[int] = set()
         self.hashes: set[int] = set()
 
     # -- plumbing -----------------------------------------------------------------
@@ -86,7 +106,19 @@ class CacheMachineBase(RuleBasedStateMachine):
                 self.hashes -= set(o.block_hashes)
             elif isinstance(o, AllBlocksCleared):
                 self.hashes.clear()
+            elif isinstance(o, SpillPages | LoadPages):
+                assert self.host, o
+                self.copies_out.append(o)
+        if self.host:  # what the rules check is the rest
+            skip = (SpillPages, LoadPages, PagesEvictable, BlockRemoved)
+            out = [o for o in out if not isinstance(o, skip)]
         return out
+
+    def compute(self, r: _Running) -> None:
+        """The row's own pages now hold the tokens it computed into them."""
+        ps = self.ps
+        for i in range(r.first_own, min(len(r.row), -(-len(r.computed) // ps))):
+            self.dev[r.row[i]] = tuple(r.computed[i * ps : (i + 1) * ps])
 
     def snapshot(self):
         c = self.core
@@ -107,36 +139,61 @@ class CacheMachineBase(RuleBasedStateMachine):
         self.next_id += 1
         return f"r{self.next_id}"
 
-    def oracle_match(self, ns: str, key: list[int], limit: int | None = None) -> int:
+    def oracle_match(self, ns: str, key: list[int], limit: int | None = None,
+                     device_only: bool = False) -> int:  # fmt: skip
         """Longest page-aligned prefix of key[:limit] (key[:-1] by default) spelled by
-        any root path (brute force)."""
+        any root path (brute force) of valid nodes (device-resident ones only, if so)."""
         limit = max(len(key) - 1, 0) if limit is None else limit
         limit -= limit % self.ps
         best = 0
         for node in self.core.tree.nodes():
             if node.namespace != ns:
                 continue
-            path, n = [], node
+            path, n, usable = [], node, True
             while n.parent is not None:
                 path[:0] = n.key
+                usable = usable and n.valid and (bool(n.pages) or not device_only)
                 n = n.parent
+            if not usable:
+                continue
             k = 0
             while k < min(len(path), limit) and path[k] == key[k]:
                 k += 1
             best = max(best, k - k % self.ps)
         return best
 
-    def check_match(self, out, rid: str, key: list[int], limit: int | None = None) -> Matched:
-        assert len(out) == 1 and isinstance(out[0], Matched), out
-        m = out[0]
+    def check_match(self, out, rid: str, key: list[int], limit: int | None = None,
+                    lower: int = 0) -> Matched | None:  # fmt: skip
+        """The Matched for rid in out (checked against the oracle); with a host tier
+        None when it waits for a load (rid then waits in `loading`), else within
+        [lower, what the whole tree spells]."""
+        if not self.host:
+            assert len(out) == 1 and isinstance(out[0], Matched), out
+        ms = [o for o in out if isinstance(o, Matched)]
+        assert len(out) == len(ms) <= 1, out
+        if not ms:
+            assert self.core.requests[rid].waiting
+            return None
+        m = ms[0]
         assert m.request.request_id == rid
-        assert m.num_cached_tokens == self.oracle_match(m.request.extra_key, key, limit)
-        assert len(m.prefix_pages) * self.ps == m.num_cached_tokens
+        full = self.oracle_match(m.request.extra_key, key, limit)
+        if self.host:
+            assert lower <= m.num_cached_tokens <= full, (lower, m.num_cached_tokens, full)
+        else:
+            assert m.num_cached_tokens == full
+        self.check_matched(m, key)
+        return m
+
+    def check_matched(self, m: Matched, key: list[int]) -> None:
+        """A Matched's pages are the locked path's, and hold its tokens."""
+        ps = self.ps
+        assert len(m.prefix_pages) * ps == m.num_cached_tokens
         assert m.tree_version == self.core.tree.version
-        node = self.core.requests[rid].node
+        node = self.core.requests[m.request.request_id].node
         if m.prefix_pages:
             assert self.core.tree.path_pages(node) == m.prefix_pages
-        return m
+        for i, p in enumerate(m.prefix_pages):
+            assert self.dev.get(p) == tuple(key[i * ps : (i + 1) * ps]), (i, p)
 
     def held(self) -> int:
         return sum(len(r.row) - r.own_from for r in self.running.values())
@@ -168,7 +225,18 @@ class CacheMachineBase(RuleBasedStateMachine):
             path = tree.path_pages(c.requests[rid].node) if c.requests[rid].node else []
             for i, p in enumerate(r.row[: r.own_from]):
                 assert (i < len(path) and path[i] == p) or c._aside_owner.get(p) == rid
-        assert set(c.requests) == set(self.waiting) | set(self.running)
+        assert set(c.requests) == set(self.waiting) | set(self.running) | set(self.loading)
+        if c.host is not None:
+            c.host.check()
+            host_pages = tree.all_host_pages()
+            assert len(host_pages) == len(set(host_pages)) == tree.num_host_pages
+            writing = [h for o in self.copies_out if isinstance(o, SpillPages)
+                       for h in o.host_pages]  # fmt: skip
+            assert sorted(writing) == c.host.pages_owned_by(OUT)
+            assert set(host_pages) == set(c.host.pages_owned_by(TREE)) | set(writing)
+            loading = [p for o in self.copies_out if isinstance(o, LoadPages)
+                       for p in o.device_pages]  # fmt: skip
+            assert sorted(loading) == sorted(c._page_load)
 
     @invariant()
     def locks_are_the_matched_paths(self):
@@ -188,7 +256,15 @@ class CacheMachineBase(RuleBasedStateMachine):
         for n in nodes:
             assert n.lock_ref == expected.get(n.node_id, 0), n
         assert c.tree.num_locked_nodes == sum(1 for n in nodes if n.lock_ref)
-        assert c.tree.leaves == {n for n in nodes if not n.children}
+        assert c.tree.leaves == {
+            n for n in nodes if n.pages and not any(ch.pages for ch in n.children.values())
+        }
+        assert c.tree.host_leaves == {n for n in nodes if n.host_only and not n.children}
+        for n in nodes:
+            assert n.pages or n.host_only, "a node holding nothing"
+            assert not n.pages or n.parent.pages or n.parent.parent is None, "device under host"
+            assert not n.host_pages or len(n.host_pages) * self.ps == len(n.key)
+            assert not n.lock_ref or n.pages
 
     @invariant()
     def kv_events_replay_to_the_tree(self):
@@ -202,8 +278,15 @@ class CacheMachineBase(RuleBasedStateMachine):
         out = self.core.handle(
             SchedulerCensus(self.step, self.delivered_seq, len(self.pool), self.held())
         )
-        assert len(out) == 1, out
+        assert len(out) == 1 + self.host, out
         cen = out[0]
-        assert isinstance(cen, Census) and cen.ok, cen
+        assert isinstance(cen, Census) and cen.ok and cen.tier == "device", cen
         assert cen.leased_unused == len(self.pool) + in_flight
         assert cen.free + cen.leased_unused + cen.held_by_requests + cen.cached_in_tree == cen.total
+        if self.host:
+            h = out[1]
+            assert isinstance(h, Census) and h.ok and h.tier == "host", h
+            writing = sum(len(o.host_pages) for o in self.copies_out if isinstance(o, SpillPages))
+            assert h.copying == writing
+            assert h.cached_in_tree + writing == self.core.tree.num_host_pages
+            assert h.free + h.copying + h.cached_in_tree == h.total == self.num_host_pages

@@ -26,6 +26,7 @@ from shunter.bus.messages import (
     LeaseRequest,
     LeaseReturned,
     Matched,
+    PagesLoaded,
     PagesSpilled,
     RefreshMatch,
     SamplingParams,
@@ -57,7 +58,11 @@ class CacheMachine(CacheMachineBase):
         tokens = BASES[base][:plen] + suffix or [1]
         rid = self.new_id()
         tok = Tokenized(rid, tokens, SP, extra_key=ns)
-        m = self.check_match(self.send(tok), rid, tokens)
+        lower = self.oracle_match(ns, tokens, device_only=True) if self.host else 0
+        m = self.check_match(self.send(tok), rid, tokens, lower=lower)
+        if m is None:
+            self.loading[rid] = (tok, tokens, tokens, None)
+            return
         self.waiting[rid] = _Waiting(tok, tokens, m, tokens, None)
 
     @rule(base=st.integers(0, 2), plen=st.integers(4, 24), ns=st.sampled_from(["", "lora"]),
@@ -68,7 +73,9 @@ class CacheMachine(CacheMachineBase):
         short runs still build a tree worth matching against and evicting from."""
         self.arrive(base, plen, ns, suffix)
         rid = f"r{self.next_id}"
-        w = self.waiting[rid]
+        w = self.waiting.get(rid)
+        if w is None:  # its Matched waits for a load
+            return
         total = len(w.target) + num_decode
         self.lease(max(_ceil_div(total, self.ps) - len(w.prefix) - len(self.pool), 0), True)
         self.admit_one(rid, len(w.target), 0)
@@ -88,7 +95,9 @@ class CacheMachine(CacheMachineBase):
         for _ in range(2):
             self.arrive(base, plen, "", [])
             rids.append(f"r{self.next_id}")
-            w = self.waiting[rids[-1]]
+            w = self.waiting.get(rids[-1])
+            if w is None:
+                continue
             self.lease(max(_ceil_div(len(w.target), self.ps) - len(self.pool), 0), True)
             self.admit_one(rids[-1], plen, 0)
         for rid in rids:
@@ -106,7 +115,10 @@ class CacheMachine(CacheMachineBase):
         out = self.send(LeaseRequest(self.seq, n))
         g = out[-1]
         assert isinstance(g, LeaseGranted) and g.lease_seq == self.seq
-        assert len(g.pages) == min(n, can), (len(g.pages), n, can)
+        if self.host:  # leaves whose backup is in flight are not evicted (yet)
+            assert len(g.pages) <= min(n, can), (len(g.pages), n, can)
+        else:
+            assert len(g.pages) == min(n, can), (len(g.pages), n, can)
         assert all(self.core.ledger.owner[p] == OUT for p in g.pages)
         self.pending.append((self.seq, g.pages))
         if deliver:
@@ -118,6 +130,13 @@ class CacheMachine(CacheMachineBase):
             self.pool += pages
             self.delivered_seq = seq
         self.pending.clear()
+
+    @rule()
+    def squeeze(self):
+        """Lease every page the cache can free, then give them all back: the tree
+        keeps only what is locked (and, with a host tier, its host copies)."""
+        self.lease(self.num_pages, True)
+        self.give_back(len(self.pool))
 
     @rule(k=st.integers(1, 6))
     def give_back(self, k):
@@ -132,15 +151,20 @@ class CacheMachine(CacheMachineBase):
         self.admit_one(data.draw(st.sampled_from(sorted(self.waiting))), chunk, extra)
 
     def admit_one(self, rid: str, chunk: int, extra: int) -> None:
+        if self.drops_pending:  # a flip has paused admission
+            return
         w = self.waiting[rid]
         if w.stale:
             self.refresh_one(rid)
+            if rid not in self.waiting:
+                return
         computed = w.target[: w.num_cached + chunk]
         pages = self.take(_ceil_div(len(computed), self.ps) - len(w.prefix) + extra)
         if pages is None:
             return
         del self.waiting[rid]
         self.running[rid] = _Running(w, computed, w.prefix + pages)
+        self.compute(self.running[rid])
 
     @precondition(lambda self: self.running)
     @rule(data=st.data(), chunk=st.integers(1, 12), token=st.integers(0, 40))
@@ -156,6 +180,7 @@ class CacheMachine(CacheMachineBase):
         pages = self.take(max(_ceil_div(len(new), self.ps) - len(r.row), 0))
         if pages is not None:
             r.computed, r.row = new, r.row + pages
+            self.compute(r)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -184,6 +209,9 @@ class CacheMachine(CacheMachineBase):
             # all it computed may be cached: it holds more tokens than that
             m = self.check_match([o for o in out if isinstance(o, Matched)], rid, r.computed,
                                  len(r.computed))  # fmt: skip
+            if m is None:
+                self.loading[rid] = (r.tok, target, r.computed, len(r.computed))
+                return
             self.waiting[rid] = _Waiting(r.tok, target, m, r.computed, len(r.computed))
         else:
             assert not any(isinstance(o, Matched) for o in out)
@@ -200,7 +228,13 @@ class CacheMachine(CacheMachineBase):
 
     def refresh_one(self, rid: str) -> None:
         w = self.waiting[rid]
-        m = self.check_match(self.send(RefreshMatch(rid)), rid, w.key, w.limit)
+        ns = w.tok.extra_key
+        lower = self.oracle_match(ns, w.key, w.limit, device_only=True) if self.host else 0
+        m = self.check_match(self.send(RefreshMatch(rid)), rid, w.key, w.limit, lower)
+        if m is None:
+            del self.waiting[rid]
+            self.loading[rid] = (w.tok, w.target, w.key, w.limit)
+            return
         w.num_cached, w.prefix, w.stale = m.num_cached_tokens, m.prefix_pages, False
 
     @precondition(lambda self: self.waiting)
@@ -231,18 +265,46 @@ class CacheMachine(CacheMachineBase):
 
     # -- rules: copies and drops ------------------------------------------------------
 
-    @rule()
-    def copy_start(self):
-        self.next_copy += 1
-        self.copies.add(self.next_copy)
-        assert self.send(SpillPages(self.next_copy, [], [], [])) == []
+    @precondition(lambda self: self.copies_out)
+    @rule(ok=st.sampled_from([True, True, True, False]))
+    def copy_answer(self, ok):
+        """The executor answers the oldest copy: the data moves (or, failed, garbage
+        lands), then the reply may release Matched messages and a waiting drop."""
+        c = self.copies_out.pop(0)
+        if isinstance(c, SpillPages):
+            if ok:
+                for d, h in zip(c.device_pages, c.host_pages, strict=True):
+                    self.host_data[h] = self.dev[d]
+            out = self.send(PagesSpilled(c.copy_id, c.keys, ok))
+        else:
+            for d, h in zip(c.device_pages, c.host_pages, strict=True):
+                self.dev[d] = self.host_data[h] if ok else (-1,)
+            out = self.send(PagesLoaded(c.copy_id, c.keys, ok))
+        dropped = any(isinstance(o, TreeDropped) and o.ok for o in out)
+        for o in out:
+            if isinstance(o, Matched):
+                rid = o.request.request_id
+                tok, target, key, limit = self.loading.pop(rid)
+                if not dropped:  # (else its pages went with the tree: stale, see below)
+                    self.check_matched(o, key)
+                self.waiting[rid] = _Waiting(tok, target, o, key, limit)
+            elif isinstance(o, TreeDropped):
+                self.drops_pending -= 1
+                self.check_dropped(o)
+            else:
+                assert isinstance(o, AllBlocksCleared), o
 
-    @precondition(lambda self: self.copies)
-    @rule()
-    def copy_done(self):
-        cid = min(self.copies)
-        self.copies.discard(cid)
-        assert self.send(PagesSpilled(cid, [])) == []
+    def check_dropped(self, res: TreeDropped) -> None:
+        t = self.core.tree
+        if not res.ok:
+            assert "prefix locks" in res.reason
+            return
+        # (drops held together are carried out one after another: the last one's is now)
+        assert res.tree_version <= t.version and t.num_pages == t.num_host_pages == 0
+        assert self.core.ledger.counts[TREE] == 0
+        assert self.core.host is None or self.core.host.num_free == self.num_host_pages
+        for w in self.waiting.values():
+            w.stale = True
 
     @rule(include_locked=st.booleans())
     def drop(self, include_locked):
@@ -252,9 +314,13 @@ class CacheMachine(CacheMachineBase):
         num_tree, locked = t.num_pages, t.num_locked_nodes
         before = self.snapshot()
         out = self.send(DropTree(f"f{self.step}", include_locked))
+        if self.copies_out:  # carried out once the copies in flight are answered
+            assert out == [] and self.snapshot() == before
+            self.drops_pending += 1
+            return
         res = out[-1]
         assert isinstance(res, TreeDropped)
-        if self.copies or (locked and not include_locked):
+        if locked and not include_locked:
             assert not res.ok and res.reason and len(out) == 1
             assert self.snapshot() == before
             return
@@ -280,6 +346,27 @@ class CacheMachineNoRadix(CacheMachine):
     num_pages = 10
 
 
+class CacheMachineHost(CacheMachine):
+    """With a host tier the device pool is small, so that eviction demotes often."""
+
+    num_pages = 14
+    num_host_pages = 28
+
+
+class CacheMachineHostPaged(CacheMachine):
+    """A host pool smaller than the device pool: backups are skipped, host leaves go."""
+
+    page_size = 4
+    num_pages = 10
+    num_host_pages = 6
+
+
+class CacheMachineHostSelective(CacheMachine):
+    num_pages = 14
+    num_host_pages = 20
+    write_policy = "write_through_selective"
+
+
 QUICK = settings(max_examples=40, stateful_step_count=40, deadline=None,
                  suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
 
@@ -291,6 +378,12 @@ TestCacheMachineNoEvents = CacheMachineNoEvents.TestCase
 TestCacheMachineNoEvents.settings = settings(QUICK, max_examples=15)
 TestCacheMachineNoRadix = CacheMachineNoRadix.TestCase
 TestCacheMachineNoRadix.settings = settings(QUICK, max_examples=15)
+TestCacheMachineHost = CacheMachineHost.TestCase
+TestCacheMachineHost.settings = QUICK
+TestCacheMachineHostPaged = CacheMachineHostPaged.TestCase
+TestCacheMachineHostPaged.settings = QUICK
+TestCacheMachineHostSelective = CacheMachineHostSelective.TestCase
+TestCacheMachineHostSelective.settings = settings(QUICK, max_examples=20)
 
 
 @pytest.mark.heavy
@@ -309,6 +402,6 @@ def test_fuzz_100k_steps():
 
     long = settings(max_examples=140, stateful_step_count=500, deadline=None,
                     derandomize=True, database=None, suppress_health_check=list(HealthCheck))  # fmt: skip
-    for machine in (CacheMachine, CacheMachinePaged):
+    for machine in (CacheMachine, CacheMachinePaged, CacheMachineHost, CacheMachineHostPaged):
         run_state_machine_as_test(counted(machine), settings=long)
     assert num_steps[0] >= 100_000, num_steps[0]

@@ -29,7 +29,11 @@ WeightsUpdated says whether it was (a refused one leaves the old weights serving
 ReleaseMemory and ResumeMemory come the same way and give up or take back the device
 memory of the weights, the KV cache and the decode graphs (memory.py); MemoryState
 says what is released now. WeightsQuery (/get_weights_by_name) is answered between
-batches with the first rows of a weight, named as in HF checkpoints. ProfileStart and
+batches with the first rows of a weight, named as in HF checkpoints. SpillPages and
+LoadPages (the cache manager's host KV tier) are copied between batches in a worker
+thread (`ExecutorCore.copy`) without flushing the step in flight: on CUDA the copies
+share the forwards' stream, on the CPU a forward is done when submit returns; each is
+answered (PagesSpilled / PagesLoaded) before the next message is taken. ProfileStart and
 ProfileStop (the gateway's /start_profile, /stop_profile) start and end a
 torch.profiler session between batches (profiling.py); a session asked for a number
 of steps ends by itself once that many results are published.
@@ -37,9 +41,10 @@ of steps ends by itself once that many results are published.
 A malformed batch or a failed forward is a StepResult with `error` (the core's job);
 a failure to load is actor-scoped: LoadError propagates to the supervisor.
 
-Invariants: batches enter the core one at a time, in arrival order (the core's mirror
-depends on that order); the core never runs on the event loop's thread; every
-ForwardBatch gets exactly one StepResult, published in arrival order.
+Invariants: batches and copies enter the core one at a time, in arrival order (the
+core's mirror depends on that order); the core never runs on the event loop's thread;
+every ForwardBatch gets exactly one StepResult, published in arrival order, and every
+SpillPages / LoadPages exactly one reply, likewise.
 """
 
 from __future__ import annotations
@@ -62,12 +67,14 @@ from shunter.actors.executor.profiling import Profiler
 from shunter.actors.executor.reload import reload_weights
 from shunter.bus.messages import (
     ForwardBatch,
+    LoadPages,
     MemoryState,
     ProfileStart,
     ProfileStop,
     Ready,
     ReleaseMemory,
     ResumeMemory,
+    SpillPages,
     StepResult,
     UpdateWeights,
     WeightsQuery,
@@ -80,9 +87,9 @@ from shunter.bus.transport import Bus
 log = structlog.get_logger(actor="executor")
 
 INBOX = (ForwardBatch, UpdateWeights, ReleaseMemory, ResumeMemory, ProfileStart, ProfileStop,
-         WeightsQuery)  # fmt: skip
+         WeightsQuery, SpillPages, LoadPages)  # fmt: skip
 Inbound = (ForwardBatch | UpdateWeights | ReleaseMemory | ResumeMemory | ProfileStart
-           | ProfileStop | WeightsQuery)  # fmt: skip
+           | ProfileStop | WeightsQuery | SpillPages | LoadPages)  # fmt: skip
 MAX_WEIGHT_VALUES = 1 << 22  # the most values one WeightsSlice carries
 FLIPS = (UpdateWeights, ReleaseMemory, ResumeMemory)  # come when nothing runs
 
@@ -102,6 +109,7 @@ def ready_info(core: ExecutorCore) -> dict[str, int | float | str]:
         "decode_attention_backend": runner.decode_attention_backend,
         "cuda_graph_max_bs": runner.graphs.max_bs if runner.graphs is not None else 0,
         "max_num_rows": core.max_num_rows,
+        "num_host_pages": core.host_pool.num_pages if core.host_pool is not None else 0,
     }
 
 
@@ -119,7 +127,8 @@ async def _serve(core: ExecutorCore, config: ExecutorConfig, sub: Subscription, 
     a submit when the step in flight is already done (always on a CPU, where a forward
     runs inside submit: holding its result through the next forward would only delay
     it by a step). A flip's message (FLIPS) comes between batches: what is in flight is
-    flushed first. Weight queries and profile controls are answered as they come."""
+    flushed first. Weight queries, profile controls and page copies are answered as they
+    come."""
     submitted: deque[int] = deque()  # perf_counter_ns at the submit of each unanswered step
     prof = Profiler(config.actor_id, core.runner.device)
     memory = DeviceMemory(core)
@@ -134,6 +143,11 @@ async def _serve(core: ExecutorCore, config: ExecutorConfig, sub: Subscription, 
             await bus.publish(await anyio.to_thread.run_sync(prof.handle, batch))
         elif isinstance(batch, WeightsQuery):
             await bus.publish(await anyio.to_thread.run_sync(_weights, core, memory, batch))
+        elif isinstance(batch, SpillPages | LoadPages):
+            reply = await anyio.to_thread.run_sync(core.copy, batch)
+            if not reply.ok:
+                log.warning("page copy failed", copy_id=reply.copy_id, error=reply.error)
+            await bus.publish(reply)
         else:
             if submitted and core.step_ready():
                 await out.publish(await anyio.to_thread.run_sync(core.flush))

@@ -10,7 +10,9 @@ hold. The runner then captures its decode graphs (a progress bar) unless
 `disable_cuda_graph`, and the core runs the warm-up steps (warmup.py) unless
 `skip_server_warmup`, so that the attention kernels flashinfer compiles on first use
 are built before the executor is ready rather than inside a request's step. On a CPU
-the pool is sized from host memory (kv_pool.py) and nothing needs warming.
+the pool is sized from host memory (kv_pool.py) and nothing needs warming. With
+`enable_hierarchical_cache` a host pool (host_pool.py) is sized from the device pool
+(hicache_ratio) or from hicache_size and allocated right after it.
 
 Invariants: blocking (seconds); the pool is never sized below one page (ValueError
 from KVPool.from_budget says by how much the budget fell short).
@@ -27,6 +29,7 @@ import torch
 from shunter.actors.executor.config import DEFAULT_CUDA_GRAPH_MAX_BS, ExecutorConfig
 from shunter.actors.executor.core import ExecutorCore
 from shunter.actors.executor.cuda_graph import capture_sizes
+from shunter.actors.executor.host_pool import HostKVPool, host_pool_pages
 from shunter.actors.executor.kv_pool import KVPool
 from shunter.actors.executor.loader import load_model
 from shunter.actors.executor.models.config import ModelConfig
@@ -133,6 +136,10 @@ def build_core(config: ExecutorConfig) -> ExecutorCore:
         host_mem_fraction=config.mem_fraction_static if not on_cuda else None,
         pad_page=on_cuda,
     )
+    host_pool = None
+    if config.enable_hierarchical_cache:
+        num_host = host_pool_pages(pool, config.hicache_ratio, config.hicache_size)
+        host_pool = HostKVPool(num_host, like=pool)
     t1 = time.perf_counter()
     runner = ModelRunner(
         model,
@@ -153,6 +160,7 @@ def build_core(config: ExecutorConfig) -> ExecutorCore:
         grammars=GrammarCache(
             functools.partial(load_token_vocab, config.model_path, config.tokenizer_path)
         ),
+        host_pool=host_pool,
     )
     t2 = time.perf_counter()
     if on_cuda and not config.skip_server_warmup:  # first-use builds now, not in a request
@@ -160,6 +168,7 @@ def build_core(config: ExecutorConfig) -> ExecutorCore:
         warm_up(core)
     log.info("executor loaded", actor_id=config.actor_id, model=mcfg.name, dtype=str(dtype),
              device=str(device), backend=runner.backend, num_pages=pool.num_pages,
-             page_size=pool.page_size, cuda_graph_max_bs=max_bs, load_s=round(t1 - t0, 2),
-             capture_s=round(t2 - t1, 2), warmup_s=round(time.perf_counter() - t2, 2))  # fmt: skip
+             page_size=pool.page_size, num_host_pages=host_pool.num_pages if host_pool else 0,
+             host_pinned=host_pool.pinned if host_pool else False, cuda_graph_max_bs=max_bs,
+             load_s=round(t1 - t0, 2), capture_s=round(t2 - t1, 2), warmup_s=round(time.perf_counter() - t2, 2))  # fmt: skip
     return core

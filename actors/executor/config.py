@@ -71,6 +71,13 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
     skip_server_warmup: bool = False
     """On CUDA, skip the warm-up steps (warmup.py) that build the attention kernels
     compiled on first use before the executor is ready."""
+    enable_hierarchical_cache: bool = False
+    """Keep a host-memory KV tier (host_pool.py) that SpillPages and LoadPages copy
+    pages to and from."""
+    hicache_ratio: float = 2.0
+    """Host pool pages per device pool page."""
+    hicache_size: float = 0.0
+    """GB of host memory for the host pool; 0: use hicache_ratio."""
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -113,3 +120,7 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.max_num_rows < 1:
             raise ValueError(f"max_num_rows must be >= 1, got {self.max_num_rows}")
+        if not self.hicache_ratio > 0:
+            raise ValueError(f"hicache_ratio must be > 0, got {self.hicache_ratio}")
+        if not self.hicache_size >= 0:
+            raise ValueError(f"hicache_size must be >= 0, got {self.hicache_size}")

@@ -37,6 +37,10 @@ tokens reach the host, and step N+1's sample sees every host state step N change
 order would: the results are the same, token for token. `flush()` finishes the step
 in flight; `step(batch)` is submit then flush; `handle` calls `step`.
 
+`copy(msg)` runs a SpillPages or LoadPages between batches through the host pool
+(host_pool.py; None when the host KV tier is off) and answers it; on CUDA the copy is
+stream-ordered with the forwards, so no step in flight needs finishing first.
+
 Row tables (row_tables.py): every row's page ids and the KV slot of every token
 position; each entry's slot table handed to the runner is a view of a row, so a
 decode step allocates nothing per row.
@@ -85,10 +89,20 @@ from shunter.actors.executor.sampling import (
     sample_results,
 )
 from shunter.actors.executor.slot_table import device_tensor, long_tensor
-from shunter.bus.messages import ForwardBatch, Msg, StepResult, TopLogprob
+from shunter.bus.messages import (
+    ForwardBatch,
+    LoadPages,
+    Msg,
+    PagesLoaded,
+    PagesSpilled,
+    SpillPages,
+    StepResult,
+    TopLogprob,
+)
 from shunter.kernels.page_layout import to_device
 
 if TYPE_CHECKING:
+    from shunter.actors.executor.host_pool import HostKVPool
     from shunter.actors.grammar.token_fsm import TokenFsm
 
 Inbox = ForwardBatch
@@ -129,8 +143,10 @@ class ExecutorCore:
         max_context_len: int | None = None,
         max_num_rows: int = 4096,
         grammars: Callable[[str], TokenFsm] | None = None,
+        host_pool: HostKVPool | None = None,
     ) -> None:
         self.runner = runner
+        self.host_pool = host_pool  # the host KV tier; None: off
         # pattern -> its token automaton (constrained decoding); None: regex refused
         self.grammars = grammars
         self.page_size: int = runner.kv_pool.page_size
@@ -192,6 +208,22 @@ class ExecutorCore:
         """Finish the step in flight: its result, or [] if none was submitted."""
         prev, self._inflight = self._inflight, None
         return [] if prev is None else [self._finish(prev)]
+
+    def copy(self, msg: SpillPages | LoadPages) -> PagesSpilled | PagesLoaded:
+        """Run a spill or load (host_pool.py) and answer it; never raises: a refused or
+        failed copy is answered with ok=False and why."""
+        reply = PagesSpilled if isinstance(msg, SpillPages) else PagesLoaded
+        try:
+            if self.host_pool is None:
+                raise ValueError("the host KV tier is off")
+            if isinstance(msg, SpillPages):
+                self.host_pool.spill(self.runner.kv_pool, msg.device_pages, msg.host_pages)
+            else:
+                self.host_pool.load(self.runner.kv_pool, msg.host_pages, msg.device_pages)
+        except Exception as e:
+            error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            return reply(msg.copy_id, msg.keys, ok=False, error=error)
+        return reply(msg.copy_id, msg.keys)
 
     def step_ready(self) -> bool:
         """Whether flush() would return without waiting for the device."""

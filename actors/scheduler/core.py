@@ -85,6 +85,7 @@ from shunter.bus.messages import (
     LeaseGranted,
     Matched,
     Msg,
+    PagesEvictable,
     RequestFailed,
     RequestOutput,
     SchedulerCensus,
@@ -99,7 +100,7 @@ from shunter.bus.messages import (
 
 Inbox = (
     Matched | LeaseGranted | StepResult | AbortRequest | Tick | FlipBegin | FlipCutover
-    | FlipDone | Shutdown | TreeDropped | SchedulerConfigured
+    | FlipDone | Shutdown | TreeDropped | SchedulerConfigured | PagesEvictable
 )  # fmt: skip
 INBOX_TYPES: tuple[type[Msg], ...] = Inbox.__args__  # type: ignore[attr-defined]
 
@@ -165,6 +166,8 @@ class SchedulerCore:
             case LeaseGranted():
                 if not self.pool.granted(msg):
                     self._n["unexpected"] += 1
+            case PagesEvictable():  # a backup landed: pages a short grant lacked are free
+                self.pool.pages_released()
             case AbortRequest():
                 self._on_abort(msg, out)
             case Tick():

@@ -4,8 +4,9 @@ The cache manager leases free pages to the scheduler ahead of need (LeaseRequest
 LeaseGranted), so a step draws the pages it appends from this pool with no round trip.
 At most one lease request is outstanding. A grant smaller than asked means the cache
 could not free more (everything else is held or locked): `cache_short` stays set until
-the scheduler itself gives pages back (a release, a retraction), because nothing else
-can make a new request succeed; this keeps a short cache from being asked every step.
+the scheduler itself gives pages back (a release, a retraction) or the cache manager
+says that pages became evictable (PagesEvictable: a backup to the host tier that held
+them landed); this keeps a short cache from being asked every step.
 
 Invariants
     - Every page is in the pool at most once; pages leave it only into a request's row

@@ -24,6 +24,7 @@ from shunter.bus.messages import (
     LeaseGranted,
     LeaseRequest,
     Matched,
+    PagesEvictable,
     SamplingParams,
     SchedulerCensus,
     SchedulerStats,
@@ -329,3 +330,16 @@ def test_the_decode_log_writes_a_line_every_interval_batches():
     for _ in range(5):
         _DecodeLog(0, silent).step(f.core)
     assert not silent.got
+
+
+def test_pages_evictable_lets_a_short_pool_ask_again():
+    """A grant came short because the cache's evictable pages were still being backed up
+    to the host tier; once it says they can go (PagesEvictable), the pool asks again."""
+    f = Feeder(page_size=1, lease_lookahead_steps=1, lease_max_surplus_pages=0)
+    f.grant_queue = [0]
+    out = f.send(matched("a", range(8), max_new=4))
+    assert f.batch(out) is None and f.core.pool.cache_short
+    assert f.batch(f.send(Tick(1_000_000))) is None  # nothing else makes it ask
+    out = f.send(PagesEvictable(8))
+    assert of(out, LeaseRequest) and admitted(f.batch(out)) == ["a"]
+    assert not f.core.pool.cache_short

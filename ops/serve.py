@@ -146,6 +146,7 @@ def _executor_facts(ready: Mapping[str, Ready]) -> dict[str, Any]:
         "page_size": int(info["page_size"]),
         "max_context_len": int(info["max_context_len"]),
         "vocab_size": int(info["vocab_size"]),
+        "num_host_pages": int(info.get("num_host_pages", 0)),
         "eos_token_ids": tuple(int(t) for t in eos.split(",") if t.strip()),
     }
 
@@ -180,6 +181,8 @@ def build_config(spec: ActorSpec, a: ServerArgs, ready: Mapping[str, Ready], see
                 skip_server_warmup=a.skip_server_warmup,
                 cuda_graph_bs=tuple(a.cuda_graph_bs) if a.cuda_graph_bs else None,
                 model_overrides=json.loads(a.json_model_override_args or "{}"),
+                enable_hierarchical_cache=a.enable_hierarchical_cache,
+                hicache_ratio=a.hicache_ratio, hicache_size=float(a.hicache_size),
             )  # fmt: skip
         case "tokenizer":
             from shunter.actors.tokenizer.config import TokenizerConfig
@@ -204,6 +207,7 @@ def build_config(spec: ActorSpec, a: ServerArgs, ready: Mapping[str, Ready], see
                 actor_id=spec.actor_id, num_pages=facts["num_pages"],
                 page_size=facts["page_size"], disable_radix_cache=a.disable_radix_cache,
                 eviction_policy=a.radix_eviction_policy,
+                num_host_pages=facts["num_host_pages"], write_policy=a.hicache_write_policy,
             )  # fmt: skip
         case "scheduler":
             from shunter.actors.scheduler.config import from_server_args

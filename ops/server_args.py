@@ -51,6 +51,7 @@ DECODE_ATTENTION_BACKENDS = ("auto", "triton", "flashinfer")
 WEIGHT_FORMATS = ("none", "bf16", "int8", "int4")
 RETRACTION_POLICIES = ("length", "priority")
 RADIX_EVICTION_POLICIES = ("lru", "lfu")
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective")
 
 
 class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -128,6 +129,12 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """Kernels of all-decode steps; auto: triton up to 256 entries under flashinfer (faster)."""
     enable_torch_compile: bool = False  # accepted for compatibility: COMPAT_ONLY
     enable_memory_saver: bool = False  # accepted for compatibility: COMPAT_ONLY
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    """Host KV pool size as a multiple of the device pool's."""
+    hicache_size: int = 0
+    """Host KV pool size in GB (overrides hicache_ratio when > 0)."""
+    hicache_write_policy: str = "write_through"
 
     # parallelism
     tp_size: int = 1
@@ -189,6 +196,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "decode_attention_backend": DECODE_ATTENTION_BACKENDS, "kv_cache_dtype": KV_CACHE_DTYPES,
     "tokenizer_mode": TOKENIZER_MODES, "retraction_policy": RETRACTION_POLICIES,
     "radix_eviction_policy": RADIX_EVICTION_POLICIES,
+    "hicache_write_policy": HICACHE_WRITE_POLICIES,
 }  # fmt: skip
 _PARALLEL_NAMES = {"tp_size": "tensor", "dp_size": "data", "pp_size": "pipeline",
                    "ep_size": "expert"}  # fmt: skip
@@ -238,6 +246,13 @@ def _problems(a: ServerArgs) -> list[str]:
         a.chunked_prefill_size == 0 or a.chunked_prefill_size < -1
     ):
         out.append(f"{flag('chunked_prefill_size')}: must be >= 1, or -1 to disable chunking")
+    if not a.hicache_ratio > 0:
+        out.append(f"{flag('hicache_ratio')}: must be > 0")
+    if a.hicache_size < 0:
+        out.append(f"{flag('hicache_size')}: must be >= 0 (GB; 0 uses --hicache-ratio)")
+    if a.enable_hierarchical_cache and a.disable_radix_cache:
+        out.append("--enable-hierarchical-cache: needs the radix cache (drop "
+                   "--disable-radix-cache)")  # fmt: skip
     if a.mem_fraction_static is not None and not 0.0 < a.mem_fraction_static <= 1.0:
         out.append(f"{flag('mem_fraction_static')}: must be in (0, 1]")
     if a.random_seed is not None and not 0 <= a.random_seed < 2**63:

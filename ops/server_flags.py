@@ -96,6 +96,15 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("radix_eviction_policy", ("--radix-eviction-policy",), "scheduling",
      "prefix-cache eviction order: lru, or lfu (fewest hits first)"),
     ("max_total_tokens", ("--max-total-tokens",), "memory", "KV pool size in tokens"),
+    ("enable_hierarchical_cache", ("--enable-hierarchical-cache",), "memory",
+     "keep evicted prefix pages in a host-memory KV tier and load them back on a match"),
+    ("hicache_ratio", ("--hicache-ratio",), "memory",
+     "host KV pool size as a multiple of the device pool's"),
+    ("hicache_size", ("--hicache-size",), "memory",
+     "host KV pool size in GB (overrides --hicache-ratio when > 0)"),
+    ("hicache_write_policy", ("--hicache-write-policy",), "memory",
+     "when cached pages are copied to the host: write_through (as they are cached) or "
+     "write_through_selective (once a match reuses them)"),
     ("mem_fraction_static", ("--mem-fraction-static", "--gpu-memory-utilization"), "memory",
      "fraction of device memory for weights and KV pool"),
     ("page_size", ("--page-size", "--block-size"), "memory", "tokens per KV page"),
@@ -160,16 +169,10 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--enable-lora", "--lora-paths"): "LoRA adapters are not supported yet",
     ("--speculative-algorithm",): "speculative decoding is not supported yet",
     ("--enable-dp-attention",): "data-parallel attention is not supported yet",
-    (
-        "--enable-hierarchical-cache",
-        "--hicache-ratio",
-        "--hicache-size",
-        "--hicache-write-policy",
-        "--hicache-io-backend",
-        "--hicache-mem-layout",
-        "--hicache-storage-backend",
-        "--hicache-storage-prefetch-policy",
-    ): "the host-memory KV tier (hierarchical cache) is not supported yet",
+    ("--hicache-io-backend", "--hicache-mem-layout"): "choosing the host KV tier's copy "
+    "path or layout is not supported (it copies by index over all layers, layer first)",
+    ("--hicache-storage-backend", "--hicache-storage-prefetch-policy"): "the storage "
+    "tier of the hierarchical cache is not supported yet (the host-memory tier is)",
     ("--attention-context-parallel-size", "--attn-cp-size"): "context parallelism is not "
     "supported yet",
     ("--moe-data-parallel-size", "--moe-dp-size"): "MoE models are not supported yet",

@@ -40,6 +40,8 @@ SAMPLE: dict[str, str | None] = {
     "radix_eviction_policy": "lfu", "cuda_graph_bs": "1 2 8", "log_level_http": "warning",
     "decode_log_interval": "10", "incremental_streaming_output": None,
     "kv_events_config": '{"publisher": "zmq"}',
+    "enable_hierarchical_cache": None, "hicache_ratio": "3.5", "hicache_size": "4",
+    "hicache_write_policy": "write_through_selective",
 }  # fmt: skip
 ALIASES = [(field, flag) for field, flags, _, _ in OPTIONS for flag in flags]
 
@@ -84,8 +86,8 @@ def test_vllm_spellings_and_dtype_aliases():
 @pytest.mark.parametrize("argv", [["--quantization", "fp8"], ["--enable-lora"],
                                   ["--lora-paths", "a", "b"], ["--speculative-algorithm", "EAGLE"],
                                   ["--kv-cache-dtype", "fp8_e4m3"], ["--nnodes", "2"],
-                                  ["--ep", "2"], ["--enable-hierarchical-cache"],
-                                  ["--hicache-ratio", "2"], ["--tokenizer-worker-num", "4"],
+                                  ["--ep", "2"], ["--hicache-storage-backend", "file"],
+                                  ["--hicache-io-backend", "kernel"], ["--tokenizer-worker-num", "4"],
                                   ["--attn-cp-size", "2"]])  # fmt: skip
 def test_unsupported_sglang_options_say_why(argv):
     err = io.StringIO()
@@ -305,3 +307,26 @@ def test_check_paths_record_events_must_be_a_directory(tmp_path):
     with pytest.raises(ValueError, match="exists and is not a directory"):
         check_paths(ServerArgs(record_events=str(f)))
     check_paths(ServerArgs(record_events=str(tmp_path / "new")))  # parent exists: fine
+
+
+def test_hierarchical_cache_options_are_checked():
+    a = parse_server_args(["--enable-hierarchical-cache", "--hicache-ratio", "3",
+                           "--hicache-write-policy", "write_through_selective"])  # fmt: skip
+    assert (a.enable_hierarchical_cache, a.hicache_ratio, a.hicache_size) == (True, 3.0, 0)
+    for argv, message in [
+        (["--enable-hierarchical-cache", "--disable-radix-cache"], "needs the radix cache"),
+        (["--hicache-ratio", "0"], "--hicache-ratio 0.0: must be > 0"),
+        (["--hicache-size", "-1"], "--hicache-size -1: must be >= 0"),
+        (["--hicache-write-policy", "write_back"], "write_back"),
+    ]:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                parse_server_args(argv)
+            except SystemExit:
+                got = err.getvalue()
+            except ValueError as e:
+                got = str(e)
+            else:
+                raise AssertionError(f"{argv} was accepted")
+        assert message in got, got

@@ -12,7 +12,11 @@ Theory of operation
     - generated-shared-prefix: NUM_GROUPS groups, each with its own system prompt of
       SYSTEM_LEN random ids, followed in each of the group's PROMPTS_PER_GROUP requests
       by a fresh question of QUESTION_LEN ids. Requests are listed group by group, so
-      the first request of a group fills the prefix cache and its followers hit it.
+      the first request of a group fills the prefix cache and its followers hit it; or,
+      with ORDER "round-robin", one request of each group in turn (the groups' system
+      prompts then compete for the cache: with more of them than the device KV pool
+      holds, a group's prefix is evicted before its next request, which is what a host
+      KV tier is for).
 
     The token pool is the vocabulary minus special tokens (an eos in the middle of a
     prompt is legal, but a chat template marker would change what the prompt means).
@@ -33,6 +37,7 @@ import msgspec
 import numpy as np
 
 DATASETS = ("random", "generated-shared-prefix")
+GSP_ORDERS = ("grouped", "round-robin")
 
 
 class BenchRequest(msgspec.Struct, frozen=True):
@@ -71,12 +76,15 @@ class SharedPrefixSpec(msgspec.Struct, frozen=True):
     system_prompt_len: int
     question_len: int
     output_len: int
+    order: str = "grouped"
 
     def __post_init__(self) -> None:
         _positive(num_groups=self.num_groups, prompts_per_group=self.prompts_per_group,
                   question_len=self.question_len, output_len=self.output_len)  # fmt: skip
         if self.system_prompt_len < 0:
             raise ValueError(f"system prompt length must be >= 0, got {self.system_prompt_len}")
+        if self.order not in GSP_ORDERS:
+            raise ValueError(f"order must be one of {', '.join(GSP_ORDERS)}, got {self.order!r}")
 
 
 def _positive(**values: int) -> None:
@@ -121,6 +129,9 @@ def shared_prefix_requests(
         for _ in range(spec.prompts_per_group):
             question = rng.choice(pool, size=spec.question_len).tolist()
             out.append(BenchRequest(prefix + question, spec.output_len, group_idx=g))
+    if spec.order == "round-robin":  # the i-th request of every group, then the next
+        n = spec.prompts_per_group
+        out = [out[g * n + i] for i in range(n) for g in range(spec.num_groups)]
     return out
 
 
@@ -170,7 +181,7 @@ def from_args(args, load_tokenizer: Callable) -> list[BenchRequest]:
     else:
         gsp = SharedPrefixSpec(args.gsp_num_groups, args.gsp_prompts_per_group,
                                args.gsp_system_prompt_len, args.gsp_question_len,
-                               args.gsp_output_len)  # fmt: skip
+                               args.gsp_output_len, args.gsp_order)  # fmt: skip
         requests = shared_prefix_requests(gsp, pool, args.seed)
     if args.max_tokens is not None:
         requests = with_output_len(requests, args.max_tokens)

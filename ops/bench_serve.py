@@ -70,6 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gsp-system-prompt-len", type=int, default=512)
     g.add_argument("--gsp-question-len", type=int, default=64)
     g.add_argument("--gsp-output-len", type=int, default=64)
+    g.add_argument("--gsp-order", choices=ds.GSP_ORDERS, default="grouped",
+                   help="requests group by group, or one of each group in turn")  # fmt: skip
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=float, default=math.inf,
                    help="requests per second, Poisson arrivals (default inf: all at once)")  # fmt: skip

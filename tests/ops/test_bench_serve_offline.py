@@ -58,6 +58,13 @@ def test_shared_prefix_dataset_shares_exactly_the_system_prompt():
     questions = {tuple(r.prompt_ids[50:]) for r in reqs}
     assert len(questions) == 12
     assert ds.shared_prefix_requests(spec, ds.token_pool(5000), seed=3) == reqs
+    # round-robin: the same requests, one of each group in turn
+    rr = ds.shared_prefix_requests(msgspec_replace(spec, order="round-robin"),
+                                   ds.token_pool(5000), seed=3)  # fmt: skip
+    assert [r.group_idx for r in rr] == [0, 1, 2] * 4
+    assert sorted(rr, key=lambda r: r.group_idx) == reqs
+    with pytest.raises(ValueError, match="order must be one of grouped"):
+        msgspec_replace(spec, order="shuffled")
 
 
 def test_dataset_arguments_are_checked():

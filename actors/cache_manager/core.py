@@ -226,13 +226,14 @@ class CacheManagerCore:
         found = self.tree.match(req.tokenized.extra_key, key[:limit], hit=True,
                                 through_host=copying)  # fmt: skip
         out: list[Msg] = []
-        node = found.node
-        if found.num_tokens > len(found.pages) * self.page_size:
+        node, pages = found.node, found.pages
+        if found.num_tokens > len(pages) * self.page_size:  # reaches into the host tier
             node = self._load(node, out)
+            pages = self.tree.path_pages(node)
         self.tree.lock(node)
         req.node = node
-        pages = self.tree.path_pages(node)
-        self._num_hit += len(pages) * self.page_size
+        num_tokens = len(pages) * self.page_size
+        self._num_hit += num_tokens
         if copying and self._selective:
             n = node
             while n.parent is not None:
@@ -246,7 +247,7 @@ class CacheManagerCore:
                     req.waiting.add(cid)
                     self._waiters[cid][req.tokenized.request_id] = None
         if not req.waiting:
-            out.append(self._matched(req))
+            out.append(Matched(req.tokenized, num_tokens, pages, self.tree.version))
         return out
 
     def _matched(self, req: _Request) -> Matched:
@@ -288,7 +289,8 @@ class CacheManagerCore:
         hashes = [h for b in blocks for h in b.hashes]
         if self.config.emit_kv_events and hashes:
             out.append(BlockRemoved(hashes))
-        self._num_demoted += sum(len(b.pages) for b in blocks if not b.hashes)
+        if self.host is not None:  # (a demoted node's blocks stay: it names none)
+            self._num_demoted += sum(len(b.pages) for b in blocks if not b.hashes)
         return len(pages)
 
     def _evict(self, num_pages: int, out: list[Msg]) -> int:

@@ -2,7 +2,7 @@
 device pool comes back from the host pool (prompt_tokens_details.cached_tokens counts
 it), the greedy answer is the same as the first time, and the recorded bus shows the
 copies: every backup and load answered ok, both censuses whole, and the cache manager's
-decisions replay from its recorded inbox."""
+decisions replay from its recorded inbox. Over ZMQ too (multi-process, heavy)."""
 
 from __future__ import annotations
 
@@ -31,11 +31,13 @@ def _prompt(topic: str) -> str:
     return f"Write one line about {topic}. {facts} Now the line:"
 
 
-def test_a_prefix_evicted_from_the_device_comes_back_from_the_host(start_server, call, tmp_path):
+def test_a_prefix_evicted_from_the_device_comes_back_from_the_host(
+    start_server, call, mode, tmp_path
+):
     # 512 device slots hold about three prompts; the host pool holds four times that
     args = ("--enable-hierarchical-cache", "--hicache-ratio", "4", "--max-total-tokens", "512",
             "--max-running-requests", "2")  # fmt: skip
-    with start_server(tmp_path / "srv", "embedded", *args) as server:
+    with start_server(tmp_path / "srv", mode, *args) as server:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none")
 
         def complete(topic: str):

@@ -6,7 +6,11 @@ holds), and samples tokens from a deterministic hash of (request, position). It 
 the protocol as it goes: opens/closes of unknown or live rows, start positions that do
 not continue the row, LAST_SAMPLED with nothing sampled, tokens written past a row's
 pages, a cached prefix whose slots do not hold the prefix's tokens, and a write into a
-slot another live row still reads. A violation raises `ProtocolError`.
+slot another live row still reads. A violation raises `ProtocolError`. With a host KV
+tier it also copies pages (SpillPages / LoadPages, in order with the batches, as the
+executor does) between that content model and a host one; a row that computes again
+after a load wrote into a page it reads is a violation (a row whose close is still to
+come may hold such a page: it reads nothing more).
 
 `Cluster` routes messages between the two real cores and the simulated executor through
 queues; `pump_*` methods deliver one queue's next message, so a test can interleave
@@ -34,13 +38,18 @@ from shunter.bus.messages import (
     LeaseGranted,
     LeaseRequest,
     LeaseReturned,
+    LoadPages,
     Matched,
     Msg,
+    PagesEvictable,
+    PagesLoaded,
+    PagesSpilled,
     RefreshMatch,
     RequestFailed,
     RequestOutput,
     SchedulerCensus,
     SequenceReleased,
+    SpillPages,
     StepResult,
     Tokenized,
     TokensOut,
@@ -87,10 +96,33 @@ class SimExecutor:
         self.rows: dict[int, _Row] = {}
         self.kv: dict[int, int] = {}  # slot -> token id written there
         self.readers: dict[int, set[int]] = {}  # page -> live rows whose table holds it
+        self.host_kv: dict[int, int | None] = {}  # host slot -> token id a spill put there
+        self.clobbered: dict[int, int] = {}  # row -> a page of its a load wrote into
         self.num_steps = 0
+        self.num_copies = 0
 
     def _fail(self, why: str) -> None:
         raise ProtocolError(why)
+
+    def copy(self, m: SpillPages | LoadPages) -> PagesSpilled | PagesLoaded:
+        """A host-tier copy, page for page, every slot of each page."""
+        self.num_copies += 1
+        ps = self.page_size
+        if isinstance(m, SpillPages):
+            for d, h in zip(m.device_pages, m.host_pages, strict=True):
+                for o in range(ps):
+                    self.host_kv[h * ps + o] = self.kv.get(d * ps + o)
+            return PagesSpilled(m.copy_id, m.keys)
+        for h, d in zip(m.host_pages, m.device_pages, strict=True):
+            for row in self.readers.get(d, ()):
+                self.clobbered.setdefault(row, d)
+            for o in range(ps):
+                t = self.host_kv.get(h * ps + o)
+                if t is None:
+                    self.kv.pop(d * ps + o, None)
+                else:
+                    self.kv[d * ps + o] = t
+        return PagesLoaded(m.copy_id, m.keys)
 
     def handle(self, b: ForwardBatch) -> StepResult:
         self.num_steps += 1
@@ -99,6 +131,7 @@ class SimExecutor:
             r = self.rows.pop(row, None)
             if r is None:
                 self._fail(f"step {b.step_id}: close of row {row}, which is not open")
+            self.clobbered.pop(row, None)
             for p in r.pages:
                 self.readers[p].discard(row)
         for o in b.opens:
@@ -128,6 +161,9 @@ class SimExecutor:
             r = self.rows.get(row)
             if r is None:
                 self._fail(f"step {b.step_id}: entry for row {row}, which is not open")
+            if row in self.clobbered:
+                self._fail(f"step {b.step_id}: row {row} ({r.request_id}) reads page "
+                           f"{self.clobbered[row]}, which a load wrote into")  # fmt: skip
             n = b.num_new_tokens[i]
             if n < 1:
                 self._fail(f"step {b.step_id}: row {row} computes {n} tokens")
@@ -179,8 +215,9 @@ class SimExecutor:
 
 
 TO_CACHE = (LeaseRequest, LeaseReturned, ChunkCached, SequenceReleased, RefreshMatch,
-            SchedulerCensus, Tokenized)  # fmt: skip
-TO_SCHED = (Matched, LeaseGranted, StepResult)
+            SchedulerCensus, Tokenized, PagesSpilled, PagesLoaded)  # fmt: skip
+TO_SCHED = (Matched, LeaseGranted, StepResult, PagesEvictable)
+TO_EXE = (ForwardBatch, SpillPages, LoadPages)
 
 
 class Cluster:
@@ -194,11 +231,14 @@ class Cluster:
         token_fn: TokenFn | None = None,
         check_kv: bool = True,
         disable_radix_cache: bool = False,
+        num_host_pages: int = 0,
+        write_policy: str = "write_through",
     ) -> None:
         self.sched = SchedulerCore(sched)
         self.cache = CacheManagerCore(
             CacheConfig(num_pages=num_pages, page_size=sched.page_size,
-                        disable_radix_cache=disable_radix_cache, emit_kv_events=False)
+                        disable_radix_cache=disable_radix_cache, emit_kv_events=False,
+                        num_host_pages=num_host_pages, write_policy=write_policy)
         )  # fmt: skip
         self.exe = SimExecutor(
             sched.page_size, num_pages, token_fn or (lambda rid, pos: mix64(pos) % 1000 + 10),
@@ -206,7 +246,7 @@ class Cluster:
         )  # fmt: skip
         self.to_cache: deque[Msg] = deque()
         self.to_sched: deque[Msg] = deque()
-        self.to_exe: deque[ForwardBatch] = deque()
+        self.to_exe: deque[ForwardBatch | SpillPages | LoadPages] = deque()
         self.outputs: dict[str, list[RequestOutput]] = {}
         self.censuses: list[Census] = []
         self.problems: list[Msg] = []  # CensusBroken, FreeRefused
@@ -219,7 +259,7 @@ class Cluster:
                 self.to_cache.append(m)
             elif isinstance(m, TO_SCHED):
                 self.to_sched.append(m)
-            elif isinstance(m, ForwardBatch):
+            elif isinstance(m, TO_EXE):
                 self.to_exe.append(m)
             elif isinstance(m, TokensOut):
                 for o in m.outputs:
@@ -258,7 +298,11 @@ class Cluster:
         if not self.to_exe:
             return False
         self.num_delivered += 1
-        self.to_sched.append(self.exe.handle(self.to_exe.popleft()))
+        m = self.to_exe.popleft()
+        if isinstance(m, ForwardBatch):
+            self.to_sched.append(self.exe.handle(m))
+        else:
+            self.to_cache.append(self.exe.copy(m))
         return True
 
     def run(self, max_deliveries: int = 1_000_000) -> int:

@@ -201,8 +201,9 @@ class SchedulerWithCache(RuleBasedStateMachine):
         policy=st.sampled_from(["fcfs", "lpm", "priority", "lof", "random"]),
         in_flight=st.sampled_from([1, 2]),
         in_batch=st.booleans(),
+        host=st.sampled_from([0, 0, 24, 200]),
     )
-    def setup(self, page_size, num_pages, chunk, policy, in_flight, in_batch):
+    def setup(self, page_size, num_pages, chunk, policy, in_flight, in_batch, host):
         cfg = SchedulerConfig(
             page_size=page_size, chunked_prefill_size=chunk, max_prefill_tokens=40,
             max_running_requests=5, num_total_pages=num_pages, schedule_policy=policy,
@@ -210,7 +211,7 @@ class SchedulerWithCache(RuleBasedStateMachine):
             max_batches_in_flight=in_flight, in_batch_prefix_sharing=in_batch,
             in_batch_prefix_min_tokens=8,
         )  # fmt: skip
-        self.c = Cluster(cfg, num_pages, token_fn=token_fn)
+        self.c = Cluster(cfg, num_pages, token_fn=token_fn, num_host_pages=host)
         self.rids: list[str] = []
         self.paused = False
 
@@ -282,9 +283,10 @@ test_scheduler_with_cache_state_machine = SchedulerWithCache.TestCase
 # ---- seeded fuzz ----------------------------------------------------------------------
 
 
-def fuzz(seed: int, num_deliveries: int) -> Cluster:
+def fuzz(seed: int, num_deliveries: int, host: bool = False) -> Cluster:
     """Random arrivals, aborts and delivery orders under a small pool, checking the books
-    after every delivery; drains at the end and checks everything finished cleanly."""
+    after every delivery; drains at the end and checks everything finished cleanly. With
+    host, a host KV tier too (its size and write policy drawn)."""
     import random
 
     rng = random.Random(seed)
@@ -299,7 +301,11 @@ def fuzz(seed: int, num_deliveries: int) -> Cluster:
         max_batches_in_flight=rng.choice([1, 2]), in_batch_prefix_sharing=rng.random() < 0.5,
         in_batch_prefix_min_tokens=rng.choice([4, 8, 32]),
     )  # fmt: skip
-    c = Cluster(cfg, num_pages, token_fn=token_fn)
+    tier = {}
+    if host:
+        tier = {"num_host_pages": rng.randint(8, 4 * num_pages),
+                "write_policy": rng.choice(["write_through", "write_through_selective"])}  # fmt: skip
+    c = Cluster(cfg, num_pages, token_fn=token_fn, **tier)
     prefixes = [[], list(range(300, 300 + rng.randint(4, 30))), list(range(700, 712))]
     rids: list[str] = []
     for _ in range(num_deliveries):
@@ -330,8 +336,16 @@ def test_seeded_fuzz(seed):
     fuzz(seed, 4000)
 
 
+@pytest.mark.parametrize("seed", [4, 5, 6, 7])
+def test_seeded_fuzz_with_a_host_tier(seed):
+    c = fuzz(seed, 4000, host=True)
+    assert c.exe.num_copies > 0
+
+
 @pytest.mark.heavy
 def test_seeded_fuzz_100k():
     c = fuzz(20261202, 100_000)
     st_ = c.sched.statistics()
     assert st_.num_finished + st_.num_aborted > 100 and st_.num_retractions + st_.num_parked > 0
+    c = fuzz(20261207, 40_000, host=True)
+    assert c.cache.statistics().num_loaded_pages > 0

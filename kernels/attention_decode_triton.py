@@ -371,7 +371,7 @@ def attention_decode_triton(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         num_warps=4,
-        **pdl_args(pdl, short=True),
+        **pdl_args(pdl),
     )
     if not direct and not in_split:
         decode_merge_kernel[(bsz, num_heads)](
@@ -389,6 +389,6 @@ def attention_decode_triton(
             BLOCK_N=block_n,
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
-            **pdl_args(pdl, short=True),
+            **pdl_args(pdl),
         )
     return out

@@ -28,10 +28,6 @@ SKINNY_MAX_ROWS = 1  # rows up to which the GEMV kernel runs (0: never)
 GEMV_MAX_N = 1 << 18  # widest weight (output rows) it takes
 FUSE_NORM = False  # norm_linear folds the (add +) RMSNorm into the GEMV's load
 FUSE_SILU = False  # silu_mul_linear folds the SwiGLU into the GEMV's load
-# One-row projections without bias stream W through shared memory, up to about 200 KB an
-# SM requested before the PDL wait (kernels/linear_deep_triton.py). Not yet timed on a
-# device: off.
-DEEP_GEMV = False
 # gate_up_swiglu: a one-row gate/up GEMV applies the SwiGLU as it stores (no re-reads;
 # one launch a layer fewer); a whole bs=1 step on an H100 measured no faster (1.003x
 # and, with the qkv epilogue, 0.998x: BENCHMARKS.md), so off.
@@ -76,10 +72,6 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """x [T, K] @ weight [N, K]^T (+ bias [N]) -> [T, N] in x's dtype."""
     if _skinny(x, weight):
-        if DEEP_GEMV and bias is None and x.shape[0] == 1:
-            from shunter.kernels.linear_deep_triton import deep_gemv_triton
-
-            return deep_gemv_triton(x, weight)
         from shunter.kernels.linear_triton import linear_gemv_triton
 
         return linear_gemv_triton(x, weight, bias)

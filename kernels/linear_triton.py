@@ -52,10 +52,6 @@ MAX_ROWS = 4  # rows per program, all of a decode step's: W is read once
 # activations and the KV in L2. Measured on an H200, a bs=1 step ran 0.987x with it
 # (BENCHMARKS.md), so the default stays.
 WEIGHT_EVICTION = ""
-# Where K fits one tile, skip the loop (no next tile's registers, no masked loads): fewer
-# registers a program (46 against 64 for the 1x4096 tile, by ptxas for sm_90a), so more
-# programs and more weight bytes in flight per SM. Not yet timed on a device: off.
-ONE_STEP = False
 SMALL_K_TILE = (1, 4)  # (rows, warps) of a program for K <= 4096 (K in one tile)
 LONG_K_TILE = (1, 512, 4)  # (rows, BLOCK_K, warps) beyond
 
@@ -117,46 +113,32 @@ def _row_rstd(rstd, rm, row):
 def _gemv_rows(x_ptr, res_ptr, norm_w_ptr, w, w_tile, b_ptr, y_ptr, rn, rk, n_ok, M, K,
                x_row_stride, res_row_stride, y_row_stride, r0, r1, r2, r3,
                PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_EVICT: tl.constexpr,
-               ONE_STEP: tl.constexpr):  # fmt: skip
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_EVICT: tl.constexpr):  # fmt: skip
     """The main loop: one [BLOCK_N, BLOCK_K] float32 accumulator per row (up to four)
     in W's register layout, so the weight stream keeps its 16-byte loads and the
     registers stay at what one row needs; r0..r3: the rows' rstd (RMSNorm)."""
     zero = (rn * 0)[:, None]
     kz = (rk * 0)[None, :]  # row masks as tensors (a scalar bool is no mask)
-    if ONE_STEP:  # K fits one tile: no loop, no next tile, each row's products as they are
+    acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        nxt = k0 + BLOCK_K + rk
+        w_next = tl.load(w_tile + k0 + BLOCK_K, mask=n_ok[:, None] & (nxt < K)[None, :], other=0.0,
+                         eviction_policy=W_EVICT)  # fmt: skip
         wf = w.to(tl.float32)
-        acc0 = wf * _operand(x_ptr, res_ptr, norm_w_ptr, 0, 0, zero, kz, rk, M, K,
-                             x_row_stride, res_row_stride, r0, PROLOGUE)  # fmt: skip
+        acc0 += wf * _operand(x_ptr, res_ptr, norm_w_ptr, 0, k0, zero, kz, rk, M, K,
+                              x_row_stride, res_row_stride, r0, PROLOGUE)  # fmt: skip
         if BLOCK_M > 1:
-            acc1 = wf * _operand(x_ptr, res_ptr, norm_w_ptr, 1, 0, zero, kz, rk, M, K,
-                                 x_row_stride, res_row_stride, r1, PROLOGUE)  # fmt: skip
+            acc1 += wf * _operand(x_ptr, res_ptr, norm_w_ptr, 1, k0, zero, kz, rk, M, K,
+                                  x_row_stride, res_row_stride, r1, PROLOGUE)  # fmt: skip
         if BLOCK_M > 2:
-            acc2 = wf * _operand(x_ptr, res_ptr, norm_w_ptr, 2, 0, zero, kz, rk, M, K,
-                                 x_row_stride, res_row_stride, r2, PROLOGUE)  # fmt: skip
-            acc3 = wf * _operand(x_ptr, res_ptr, norm_w_ptr, 3, 0, zero, kz, rk, M, K,
-                                 x_row_stride, res_row_stride, r3, PROLOGUE)  # fmt: skip
-    else:
-        acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            nxt = k0 + BLOCK_K + rk
-            w_next = tl.load(w_tile + k0 + BLOCK_K, mask=n_ok[:, None] & (nxt < K)[None, :], other=0.0,
-                             eviction_policy=W_EVICT)  # fmt: skip
-            wf = w.to(tl.float32)
-            acc0 += wf * _operand(x_ptr, res_ptr, norm_w_ptr, 0, k0, zero, kz, rk, M, K,
-                                  x_row_stride, res_row_stride, r0, PROLOGUE)  # fmt: skip
-            if BLOCK_M > 1:
-                acc1 += wf * _operand(x_ptr, res_ptr, norm_w_ptr, 1, k0, zero, kz, rk, M, K,
-                                      x_row_stride, res_row_stride, r1, PROLOGUE)  # fmt: skip
-            if BLOCK_M > 2:
-                acc2 += wf * _operand(x_ptr, res_ptr, norm_w_ptr, 2, k0, zero, kz, rk, M, K,
-                                      x_row_stride, res_row_stride, r2, PROLOGUE)  # fmt: skip
-                acc3 += wf * _operand(x_ptr, res_ptr, norm_w_ptr, 3, k0, zero, kz, rk, M, K,
-                                      x_row_stride, res_row_stride, r3, PROLOGUE)  # fmt: skip
-            w = w_next
+            acc2 += wf * _operand(x_ptr, res_ptr, norm_w_ptr, 2, k0, zero, kz, rk, M, K,
+                                  x_row_stride, res_row_stride, r2, PROLOGUE)  # fmt: skip
+            acc3 += wf * _operand(x_ptr, res_ptr, norm_w_ptr, 3, k0, zero, kz, rk, M, K,
+                                  x_row_stride, res_row_stride, r3, PROLOGUE)  # fmt: skip
+        w = w_next
     _store_row(y_ptr, b_ptr, acc0, rn, n_ok, 0, M, y_row_stride, HAS_BIAS)
     if BLOCK_M > 1:
         _store_row(y_ptr, b_ptr, acc1, rn, n_ok, 1, M, y_row_stride, HAS_BIAS)
@@ -190,7 +172,6 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
     W_EVICT: tl.constexpr,
-    ONE_STEP: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -228,7 +209,7 @@ def _gemv_kernel(
         r3 = 1.0
     _gemv_rows(x_ptr, res_ptr, norm_w_ptr, w, w_tile, b_ptr, y_ptr, rn, rk, n_ok, M, K,
                x_row_stride, res_row_stride, y_row_stride, r0, r1, r2, r3,
-               PROLOGUE, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, W_EVICT, ONE_STEP)  # fmt: skip
+               PROLOGUE, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, W_EVICT)  # fmt: skip
 
 
 @triton.jit
@@ -352,7 +333,6 @@ def _launch(
         BLOCK_K=block_k,
         num_warps=warps,
         W_EVICT=WEIGHT_EVICTION if eviction is None else eviction,
-        ONE_STEP=ONE_STEP and k <= block_k,
         **pdl_args(pdl),
     )
     return y, res_out

@@ -34,10 +34,6 @@ import triton
 import triton.language as tl
 
 TRIGGER_FIRST = False  # launch dependents before waiting (module docstring; measured no faster)
-# The same for the short kernels only (norms, rope, attention, SwiGLU), so the projection
-# after them is resident early while each projection still waits as before; for
-# kernels/linear_deep_triton.py's deep prefetch. Not yet timed on a device: off.
-TRIGGER_FIRST_SHORT = False
 
 
 @functools.cache
@@ -52,12 +48,10 @@ def use_pdl(t: torch.Tensor) -> bool:
     return _capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
-def pdl_args(on: bool, short: bool = False) -> dict:
+def pdl_args(on: bool) -> dict:
     """A PDL-aware kernel's launch keywords: its USE_PDL constexpr (0 off, 1 wait then
-    launch dependents, 2 the other way round: TRIGGER_FIRST, or TRIGGER_FIRST_SHORT for
-    a `short` kernel) and Triton's launch_pdl."""
-    first = TRIGGER_FIRST or (short and TRIGGER_FIRST_SHORT)
-    return {"USE_PDL": (2 if first else 1) if on else 0, "launch_pdl": on}
+    launch dependents, 2 the other way round: TRIGGER_FIRST) and Triton's launch_pdl."""
+    return {"USE_PDL": (2 if TRIGGER_FIRST else 1) if on else 0, "launch_pdl": on}
 
 
 @triton.jit

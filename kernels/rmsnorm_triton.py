@@ -86,7 +86,7 @@ def _launch(
             FUSED_ADD=residual is not None,
             BLOCK=block,
             num_warps=min(max(block // 256, 1), 8),
-            **pdl_args(use_pdl(x2), short=True),
+            **pdl_args(use_pdl(x2)),
         )
     return out.view(x.shape)
 

@@ -134,5 +134,5 @@ def rope_kv_store_triton(
         BLOCK_HQ=triton.next_power_of_2(num_q_heads),
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(half),
-        **pdl_args(use_pdl(qk), short=True),
+        **pdl_args(use_pdl(qk)),
     )

@@ -50,5 +50,5 @@ def silu_mul_triton(x: torch.Tensor) -> torch.Tensor:
         block = min(triton.next_power_of_2(inter), 1024)
         grid = (x2.shape[0], triton.cdiv(inter, block))
         _silu_mul_kernel[grid](x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block,
-                               **pdl_args(use_pdl(x2), short=True))  # fmt: skip
+                               **pdl_args(use_pdl(x2)))  # fmt: skip
     return out.view(*x.shape[:-1], inter)

@@ -3,9 +3,8 @@ machine without a GPU: Triton's own front end, its GPU passes and the ptxas it s
 build each variant, so a variant only the device would run (the decode kernel's
 in-split merge and rope + store, the GEMV's prologues and epilogues) cannot reach the device
 broken by a compile error. Interpreter tests check what they compute; this checks
-that they build, that the in-split merge's ticket is one acquire-release atomic
-of one thread between CTA barriers, and that the deep GEMV's first weight copies are
-issued before its PDL wait.
+that they build, and that the in-split merge's ticket is one acquire-release atomic
+of one thread between CTA barriers.
 
 The compiles run in a child process (this file run as a script) without
 TRITON_INTERPRET: the CPU kernel tests set it before importing the kernel modules,
@@ -32,17 +31,14 @@ DECODE_POINTERS = {
 }  # fmt: skip
 
 
-def _compile(fn, pointers: dict[str, str], consts: dict, num_warps: int = 4,
-             aligned: tuple[str, ...] = ()) -> str:  # fmt: skip
+def _compile(fn, pointers: dict[str, str], consts: dict, num_warps: int = 4) -> str:
     """PTX of `fn` for sm_90 with `consts` as constexprs; pointer arguments typed by
-    `pointers`, the rest int32; `aligned` arguments divisible by 16, as the JIT
-    specializes them at the 8B shapes."""
+    `pointers`, the rest int32."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     sig = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in aligned}
-    src = triton.compiler.ASTSource(fn, sig, constexprs=consts, attrs=attrs)
+    src = triton.compiler.ASTSource(fn, sig, constexprs=consts)
     target = GPUTarget("cuda", 90, 32)
     return triton.compile(src, target=target, options={"num_warps": num_warps}).asm["ptx"]
 
@@ -52,14 +48,8 @@ def _facts(ptx: str) -> dict:
     tickets = [ln for ln in lines if "atom.global" in ln]
     pdl = [ln.split()[0].rstrip(";") for ln in lines if ln.startswith("griddepcontrol")]
     policies = sorted({ln.split()[0] for ln in lines if ln.startswith("createpolicy")})
-    entry = lines[: next((i for i, ln in enumerate(lines) if "bra" in ln.split()[:2]), len(lines))]
     return {"tickets": tickets, "cg_loads": "ld.global.cg" in ptx, "pdl": pdl,
-            "policies": policies,
-            "entry_copies": sum(ln.startswith("cp.async.commit_group") for ln in entry),
-            "entry_waits": sum("griddepcontrol.wait" in ln for ln in entry),
-            "pdl_in_asm": [w for ln in lines if "@p griddepcontrol" in ln
-                           for w in ln.replace(";", " ").split() if w.startswith("griddep")],
-            "asm_x_loads": "ld.global.b16" in ptx}  # fmt: skip
+            "policies": policies}  # fmt: skip
 
 
 def _run(name: str, build) -> tuple[str, dict]:
@@ -104,16 +94,6 @@ def compile_all() -> dict[str, dict]:
     consts = {**consts, "USE_PDL": True, "W_EVICT": "evict_first"}  # WEIGHT_EVICTION
     out.update([_run("gemv-evict-first", lambda c=consts: _compile(lt._gemv_kernel, gemv_ptrs,
                                                                    c))])  # fmt: skip
-    consts = {**consts, "W_EVICT": "", "ONE_STEP": True}  # ONE_STEP
-    out.update([_run("gemv-one-step", lambda c=consts: _compile(lt._gemv_kernel, gemv_ptrs, c))])
-    from shunter.kernels import linear_deep_triton as ldt
-
-    block_n, block_k, stages, warps = ldt.CONFIG
-    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, USE_PDL=True, ASM=True,
-                  X_AHEAD=True)  # fmt: skip
-    aligned = ("x_ptr", "w_ptr", "y_ptr", "N", "K", "w_row_stride")
-    out.update([_run("gemv-deep", lambda: _compile(ldt._deep_gemv_kernel, gemv_ptrs, consts,
-                                                   num_warps=warps, aligned=aligned))])  # fmt: skip
     block_n, block_k, warps = lt.gemv_config(28672, 4096)
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=True, W_EVICT="")
     out.update([_run("gemv-swiglu", lambda: _compile(lt._gemv_swiglu_kernel, gemv_ptrs, consts,
@@ -158,7 +138,7 @@ def test_decode_merge_kernel_builds_for_hopper(report):
     assert "error" not in report["merge"], report["merge"].get("error")
 
 
-@pytest.mark.parametrize("prologue", [*GEMV_PROLOGUES, "swiglu", "qkv-rope-store", "one-step"])
+@pytest.mark.parametrize("prologue", [*GEMV_PROLOGUES, "swiglu", "qkv-rope-store"])
 def test_gemv_kernel_configs_build_for_hopper(report, prologue):
     got = report[f"gemv-{prologue}"]
     assert "error" not in got, got.get("error")
@@ -179,20 +159,6 @@ def test_pdl_modes_order_wait_and_trigger(report):
     ]
     assert report["gemv-trigger-first"]["pdl"] == ["griddepcontrol.launch_dependents",
                                                    "griddepcontrol.wait"]  # fmt: skip
-
-
-def test_deep_gemv_requests_its_first_tiles_before_the_wait(report):
-    """kernels/linear_deep_triton.py: the pipeliner's prologue (STAGES - 1 committed
-    groups of asynchronous copies) runs before the loop, and the PDL wait (one
-    predicated instruction at the first step, then the trigger) is inside it; x is read
-    by the inline-assembly load, not copied ahead."""
-    from shunter.kernels.linear_deep_triton import CONFIG
-
-    got = report["gemv-deep"]
-    assert "error" not in got, got.get("error")
-    assert got["entry_copies"] == CONFIG[2] - 1 and got["entry_waits"] == 0, got
-    assert got["pdl_in_asm"] == ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
-    assert got["asm_x_loads"]
 
 
 if __name__ == "__main__":

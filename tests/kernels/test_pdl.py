@@ -18,17 +18,6 @@ def test_off_the_gpu_and_under_the_interpreter(monkeypatch):
         assert not pdl.use_pdl(torch.zeros(1, device="cuda"))
 
 
-def test_trigger_order_switches(monkeypatch):
-    """USE_PDL: 0 off, 1 wait then trigger, 2 trigger first: for every kernel with
-    TRIGGER_FIRST, for the short ones only with TRIGGER_FIRST_SHORT."""
-    assert pdl.pdl_args(False, short=True) == {"USE_PDL": 0, "launch_pdl": False}
-    assert pdl.pdl_args(True)["USE_PDL"] == pdl.pdl_args(True, short=True)["USE_PDL"] == 1
-    monkeypatch.setattr(pdl, "TRIGGER_FIRST_SHORT", True)
-    assert (pdl.pdl_args(True)["USE_PDL"], pdl.pdl_args(True, short=True)["USE_PDL"]) == (1, 2)
-    monkeypatch.setattr(pdl, "TRIGGER_FIRST", True)
-    assert pdl.pdl_args(True)["USE_PDL"] == 2
-
-
 def _assert_pdl_equals_plain(run, monkeypatch) -> None:
     """run() under PDL, eager and replayed from a CUDA graph, equals run() with PDL off."""
     with_pdl = run()

@@ -1,4 +1,5 @@
-"""Radix tree: splits, dedupe, page alignment, namespaces, LRU and LFU, block hashes."""
+"""Radix tree: splits, dedupe, page alignment, namespaces, LRU and LFU, block hashes, host
+copies (demote, attach, host eviction, invalid nodes)."""
 
 from __future__ import annotations
 
@@ -175,3 +176,47 @@ def test_radix_bench_runs_a_shared_prefix_workload():
     assert 0.8 < r.hit_rate < 128 / 144
     assert r.num_evicted_pages > 0  # the pool holds ~64 requests: the tail is evicted
     assert r.tree_ops_per_s > 0 and r.core_requests_per_s > 0
+
+
+def test_host_copies_demote_attach_and_go_leaf_first():
+    """A backed-up leaf is demoted, not removed: device matches stop before it, a match
+    through the host tier reaches it, attach gives it device pages again; host eviction
+    takes host-only leaves first, and dropping a device leaf takes its host-only subtree."""
+    t = RadixTree(page_size=2)
+    t.insert("", [1, 2, 3, 4], [0, 1])
+    t.insert("", [1, 2, 3, 4, 5, 6, 7, 8], [0, 1, 2, 3])
+    top, low = t.nodes()  # parents first
+    t.set_host_pages(low, [10, 11])
+    t.set_host_pages(top, [12, 13])
+    assert t.num_host_pages == 4 and t.leaves == {low}
+    out = t.evict(1, lambda n: "demote")
+    assert [(b.pages, b.hashes, b.host_pages) for b in out] == [([2, 3], [], [])]
+    assert low.host_only and t.leaves == {top} and t.host_leaves == {low}
+    assert t.num_pages == 2
+    m = t.match("", [1, 2, 3, 4, 5, 6, 9])
+    assert (m.num_tokens, m.pages, m.node) == (4, [0, 1], top)
+    m = t.match("", [1, 2, 3, 4, 5, 6, 9], through_host=True)  # splits the host-only edge
+    assert (m.num_tokens, m.pages) == (6, [0, 1]) and m.node.host_pages == [10]
+    t.attach(m.node, [7])
+    assert m.node.pages == [7] and t.leaves == {m.node} and t.num_pages == 3
+    (rest,) = m.node.children.values()
+    assert rest.host_only and t.host_leaves == {rest}
+    (gone,) = t.evict_host(1)
+    assert gone.host_pages == [11] and len(gone.hashes) == 1 and t.host_leaves == set()
+    t.set_host_pages(m.node, [])
+    (dropped,) = t.evict(1)  # no decide: dropped with its subtree
+    assert dropped.pages == [7] and t.leaves == {top}
+
+
+def test_an_insert_over_host_only_positions_attaches_and_an_invalid_node_is_skipped():
+    t = RadixTree()
+    t.insert("", [1, 2, 3], [0, 1, 2])
+    (n,) = t.nodes()
+    t.set_host_pages(n, [5, 6, 7])
+    t.evict(3, lambda x: "demote")
+    ins = t.insert("", [1, 2, 3, 4], [8, 9, 10, 11])
+    assert (ins.num_cached_tokens, ins.cached_pages) == (0, [])
+    assert n.pages == [8, 9, 10] and n.host_pages == [5, 6, 7] and ins.new_node.pages == [11]
+    n.valid = False
+    assert t.match("", [1, 2, 3, 4]).num_tokens == 0
+    assert t.match("", [1, 2, 3, 4], valid_only=False).num_tokens == 4

@@ -24,28 +24,22 @@ Theory of operation
     handed over by ChunkCached but kept aside count as held. Census is published, and
     CensusBroken too when free + leased_unused + held + cached != total.
 
-    Host tier (config.num_host_pages > 0). The core also owns a host pool's pages, in
-    a second ledger (OUT there means a backup is writing the page, TREE that a node
-    holds it). A node entering the tree (write_through), or reached by its
-    SELECTIVE_HITS-th match (write_through_selective), is backed up: host pages are
-    taken (host-only leaves evicted LRU when short; no room at all skips the backup)
-    and SpillPages asks the executor to copy. Device eviction demotes a backed-up leaf
-    (its device pages go, the node stays host-only), skips one whose backup is still
-    in flight (a short grant then owes the scheduler a PagesEvictable once a backup
-    lands), and drops the rest. A match reaching into host-only nodes takes device
-    pages for them (evicting when short; as far down as they reach), attaches them
-    and sends LoadPages; the request's Matched, and that of any request whose match
-    reaches pages still loading, waits for the PagesLoaded. A failed load leaves its
-    nodes invalid (matches stop before them; eviction drops them) and matches its
-    waiters again; a failed backup forgets the host copy.
+    Host tier (config.num_host_pages > 0; the pool's books in host_tier.py). A node
+    entering the tree (write_through), or reached by its SELECTIVE_HITS-th match
+    (write_through_selective), is backed up to host pages (SpillPages). Device eviction
+    demotes a backed-up leaf (the node stays, host-only) and skips one whose backup is
+    still running (a short grant is then owed a PagesEvictable). A match reaching into
+    host-only nodes attaches device pages to them and sends LoadPages; its Matched, and
+    that of any match reaching pages still loading, waits for the PagesLoaded. A failed
+    load leaves its nodes invalid and matches its waiters again.
 
     DropTree reclaims every page of the tree (differenced against the free set), locked
     ones too when include_locked; without include_locked (/flush_cache) it is refused
     while any node is locked, i.e. while any request is waiting or running (as SGLang
     refuses a flush with requests in flight). It waits while a copy is in flight (no
     new copy starts meanwhile) and is carried out when the last one is answered; the
-    host tier is dropped with the tree. Requests whose locked path was dropped remember those pages
-    ("reclaimed") and never free them later; TreeDropped.tree_version tells the
+    host tier is dropped with the tree. Requests whose locked path was dropped remember
+    those pages ("reclaimed") and never free them later; TreeDropped.tree_version tells the
     scheduler that every earlier match is stale (it refreshes before admission).
 
     AbortRequest is not in the inbox: the scheduler ends every request it was sent a
@@ -68,6 +62,7 @@ from __future__ import annotations
 
 from shunter.actors.cache_manager.allocator import ASIDE, FREE, OUT, TREE, PageLedger
 from shunter.actors.cache_manager.config import SELECTIVE_HITS, CacheConfig
+from shunter.actors.cache_manager.host_tier import HostTier
 from shunter.actors.cache_manager.radix import EvictedBlock, Node, RadixTree
 from shunter.actors.cache_manager.stats import CacheStatistics
 from shunter.bus.messages import (
@@ -82,17 +77,14 @@ from shunter.bus.messages import (
     LeaseGranted,
     LeaseRequest,
     LeaseReturned,
-    LoadPages,
     Matched,
     Msg,
-    PagesEvictable,
     PagesLoaded,
     PagesSpilled,
     RefreshMatch,
     RequestFailed,
     SchedulerCensus,
     SequenceReleased,
-    SpillPages,
     Tokenized,
     TreeDropped,
 )
@@ -145,27 +137,19 @@ class CacheManagerCore:
         self.config = config
         self.page_size = config.page_size
         self.ledger = PageLedger(config.num_pages)
-        self.host = PageLedger(config.num_host_pages) if config.num_host_pages else None
+        selective = config.write_policy == "write_through_selective"
+        self.host = (HostTier(config.num_host_pages, config.page_size, selective)
+                     if config.num_host_pages else None)  # fmt: skip
         self.tree = RadixTree(config.page_size,
                               hash_blocks=config.emit_kv_events or self.host is not None,
                               eviction_policy=config.eviction_policy)  # fmt: skip
         self.requests: dict[str, _Request] = {}
         self._aside_owner = self.ledger.aside_owner
         self._leases_in_flight: dict[int, int] = {}  # lease_seq -> pages granted
-        self._selective = config.write_policy == "write_through_selective"
-        self._next_copy = 1
-        self._writes: dict[int, list[int]] = {}  # copy id -> host pages being written
-        self._loads: dict[int, list[int]] = {}  # copy id -> device pages being loaded
-        self._page_load: dict[int, int] = {}  # device page being loaded -> copy id
-        self._waiters: dict[int, dict[str, None]] = {}  # load copy id -> requests (in order)
         self._drops: list[DropTree] = []  # waiting for the copies in flight
-        self._blocked = False  # the last eviction skipped a leaf whose backup is in flight
-        self._owe_relief = False  # a short grant awaits a backup landing (PagesEvictable)
         self._clock = 0
         self._num_matches = self._num_queried = self._num_hit = 0
-        self._num_evicted = self._num_refused = self._num_broken = 0
-        self._num_host_hit = self._num_spilled = self._num_loaded = self._num_demoted = 0
-        self._num_skipped = self._num_failed = self._num_deferred = 0
+        self._num_evicted = self._num_refused = self._num_broken = self._num_deferred = 0
 
     def handle(self, msg: Msg) -> list[Msg]:
         self._clock += 1
@@ -222,30 +206,31 @@ class CacheManagerCore:
         limit = min(len(key), req.max_match)
         if self.config.disable_radix_cache or limit < self.page_size:
             return [Matched(req.tokenized, 0, [], self.tree.version)]
-        copying = self.host is not None and not self._drops
+        host = self.host if not self._drops else None  # (no copy starts while a drop waits)
         found = self.tree.match(req.tokenized.extra_key, key[:limit], hit=True,
-                                through_host=copying)  # fmt: skip
+                                through_host=host is not None)  # fmt: skip
         out: list[Msg] = []
         node, pages = found.node, found.pages
-        if found.num_tokens > len(pages) * self.page_size:  # reaches into the host tier
-            node = self._load(node, out)
-            pages = self.tree.path_pages(node)
+        if host is not None and found.num_tokens > len(pages) * self.page_size:
+            node, load = host.load(self.tree, self.ledger, node,
+                                   lambda keep, n: self._make_room(keep, n, out))  # fmt: skip
+            if load is not None:
+                out.append(load)
+                pages = self.tree.path_pages(node)
         self.tree.lock(node)
         req.node = node
         num_tokens = len(pages) * self.page_size
         self._num_hit += num_tokens
-        if copying and self._selective:
+        if host is not None and host.selective:
             n = node
             while n.parent is not None:
                 if n.hit_count >= SELECTIVE_HITS and not n.host_pages:
                     self._backup(n, out)
                 n = n.parent
-        if self._page_load:
-            for p in pages:
-                cid = self._page_load.get(p)
-                if cid is not None and cid not in req.waiting:
-                    req.waiting.add(cid)
-                    self._waiters[cid][req.tokenized.request_id] = None
+        if self.host is not None:
+            for cid in self.host.waits_for(pages):
+                req.waiting.add(cid)
+                self.host.waiters[cid][req.tokenized.request_id] = None
         if not req.waiting:
             out.append(Matched(req.tokenized, num_tokens, pages, self.tree.version))
         return out
@@ -262,144 +247,59 @@ class CacheManagerCore:
 
     # -- host tier ----------------------------------------------------------------
 
-    def _copy_id(self) -> int:
-        cid = self._next_copy
-        self._next_copy += 1
-        return cid
-
-    def _decide(self, leaf: Node) -> str:
-        """What device eviction does to a leaf (RadixTree.evict)."""
-        host = self.host
-        if host is None or not leaf.host_pages:
-            return "drop"
-        if any(host.owner[h] == OUT for h in leaf.host_pages):
-            self._blocked = True
-            return "skip"
-        return "demote" if leaf.valid else "drop"
-
     def _release_blocks(self, blocks: list[EvictedBlock], out: list[Msg]) -> int:
         """Free what eviction took out of the tree; returns the device pages freed."""
         pages = [p for b in blocks for p in b.pages]
         assert all(self.ledger.owner[p] == TREE for p in pages)
         self.ledger.free(pages)
-        host = [p for b in blocks for p in b.host_pages]
-        if host:
-            assert self.host is not None
-            self.host.free(host)
         hashes = [h for b in blocks for h in b.hashes]
         if self.config.emit_kv_events and hashes:
             out.append(BlockRemoved(hashes))
         if self.host is not None:  # (a demoted node's blocks stay: it names none)
-            self._num_demoted += sum(len(b.pages) for b in blocks if not b.hashes)
+            self.host.ledger.free([p for b in blocks for p in b.host_pages])
+            self.host.num_demoted += sum(len(b.pages) for b in blocks if not b.hashes)
         return len(pages)
 
     def _evict(self, num_pages: int, out: list[Msg]) -> int:
-        self._blocked = False
+        if self.host is not None:
+            self.host.blocked = False
         if num_pages <= 0 or not self.tree.num_pages:
             return 0
-        return self._release_blocks(self.tree.evict(num_pages, self._decide), out)
+        decide = self.host.decide if self.host is not None else None
+        return self._release_blocks(self.tree.evict(num_pages, decide), out)
+
+    def _make_room(self, keep: Node, num_pages: int, out: list[Msg]) -> None:
+        """Evict for a load, keeping keep's path (the device part of the match)."""
+        self.tree.lock(keep)
+        self._num_evicted += self._evict(num_pages, out)
+        self.tree.unlock(keep)
 
     def _backup(self, node: Node, out: list[Msg]) -> None:
-        """Copy a device-resident node to host pages (SpillPages), room permitting."""
-        host = self.host
-        if host is None or self._drops or node.host_pages or not node.valid:
-            return
-        n = len(node.pages)
-        if host.num_free < n:
-            self._release_blocks(self.tree.evict_host(n - host.num_free), out)
-            if host.num_free < n:
-                self._num_skipped += 1
-                return
-        host_pages = host.take(n)
-        self.tree.set_host_pages(node, host_pages)
-        cid = self._copy_id()
-        self._writes[cid] = host_pages
-        out.append(SpillPages(cid, list(node.hashes), list(node.pages), host_pages))
-
-    def _load(self, node: Node, out: list[Msg]) -> Node:
-        """Load back the host-only nodes ending at node (the end of a match), from the
-        top as far as free (or evictable) device pages reach, splitting the node where
-        they run out; returns the deepest device-resident node of the path then."""
-        host_path: list[Node] = []
-        while node.parent is not None and not node.pages:
-            host_path.append(node)
-            node = node.parent
-        host_path.reverse()
-        need = sum(len(n.host_pages) for n in host_path)
-        if need > self.ledger.num_free:
-            self.tree.lock(node)  # keep the path's device part in place
-            self._num_evicted += self._evict(need - self.ledger.num_free, out)
-            self.tree.unlock(node)
-        room = self.ledger.num_free
-        loaded: list[Node] = []
-        for n in host_path:
-            if len(n.host_pages) > room:  # load the head that fits, if any
-                if room:
-                    loaded.append(self.tree.split(n, room * self.page_size))
-                break
-            room -= len(n.host_pages)
-            loaded.append(n)
-        if not loaded:
-            return node
-        cid = self._copy_id()
-        device: list[int] = []
-        for n in loaded:
-            pages = self.ledger.take(len(n.host_pages))
-            self.ledger.move(pages, OUT, TREE)
-            self.tree.attach(n, pages)
-            device += pages
-        self._loads[cid] = device
-        self._waiters[cid] = {}
-        for p in device:
-            self._page_load[p] = cid
-        self._num_host_hit += len(device) * self.page_size
-        out.append(LoadPages(cid, [h for n in loaded for h in n.hashes],
-                             [p for n in loaded for p in n.host_pages], device))  # fmt: skip
-        return loaded[-1]
+        if self.host is not None and not self._drops:
+            spill = self.host.backup(self.tree, node, lambda b: self._release_blocks(b, out))
+            if spill is not None:
+                out.append(spill)
 
     def _on_spilled(self, msg: PagesSpilled) -> list[Msg]:
-        host_pages = self._writes.pop(msg.copy_id, None)
-        if host_pages is None:  # not a backup of ours (or answered twice)
+        out = self.host.spilled(self.tree, msg) if self.host is not None else None
+        if out is None:  # not a backup of ours (or answered twice)
             return []
-        assert self.host is not None
-        out: list[Msg] = []
-        if self._owe_relief:  # landed or not, its pages can be evicted now
-            self._owe_relief = False
-            out.append(PagesEvictable(len(host_pages)))
-        if msg.ok:
-            self.host.move(host_pages, OUT, TREE)
-            self._num_spilled += len(host_pages)
-        else:
-            self._num_failed += 1
-            lost = set(host_pages)
-            for n in self.tree.nodes():
-                if n.host_pages and lost.intersection(n.host_pages):
-                    self.tree.set_host_pages(n, [])
-            self.host.free(host_pages)
         self._drop_when_idle(out)
         return out
 
     def _on_loaded(self, msg: PagesLoaded) -> list[Msg]:
-        device = self._loads.pop(msg.copy_id, None)
-        if device is None:
+        host = self.host
+        rids = host.loaded(self.tree, msg) if host is not None else None
+        if rids is None:
             return []
-        for p in device:
-            del self._page_load[p]
+        assert host is not None
         out: list[Msg] = []
-        if msg.ok:
-            self._num_loaded += len(device)
-        else:
-            self._num_failed += 1
-            bad = set(device)
-            for n in self.tree.nodes():
-                if n.pages and bad.intersection(n.pages):
-                    n.valid = False
-        for rid in self._waiters.pop(msg.copy_id):
+        for rid in rids:
             req = self.requests[rid]
             req.waiting.discard(msg.copy_id)
             if not msg.ok:  # match again: it stops before the nodes that failed
                 for cid in req.waiting:
-                    del self._waiters[cid][rid]
+                    del host.waiters[cid][rid]
                 req.waiting.clear()
                 self._unlock(req)
                 out += self._match(req)
@@ -409,7 +309,7 @@ class CacheManagerCore:
         return out
 
     def _drop_when_idle(self, out: list[Msg]) -> None:
-        if self._drops and not (self._writes or self._loads):
+        if self._drops and not (self.host is not None and self.host.busy):
             drops, self._drops = self._drops, []
             for d in drops:
                 out += self._drop(d)
@@ -421,8 +321,8 @@ class CacheManagerCore:
         num_evicted = self._evict(msg.num_pages - self.ledger.num_free, out)
         self._num_evicted += num_evicted
         pages = self.ledger.take(max(msg.num_pages, 0))
-        if len(pages) < msg.num_pages and self._blocked:
-            self._owe_relief = True
+        if len(pages) < msg.num_pages and self.host is not None and self.host.blocked:
+            self.host.owe_relief = True
         flights = self._leases_in_flight
         flights[msg.lease_seq] = flights.get(msg.lease_seq, 0) + len(pages)
         out.append(LeaseGranted(msg.lease_seq, pages, num_evicted))
@@ -489,7 +389,7 @@ class CacheManagerCore:
                         list(leaf.hashes), parent_hash, list(leaf.key), self.page_size, ns or None
                     )
                 )
-            if not self._selective:
+            if self.host is not None and not self.host.selective:
                 self._backup(ins.new_node, out)
         return ins.node, dups
 
@@ -545,7 +445,7 @@ class CacheManagerCore:
         self.ledger.free(to_free)
         self._unlock(req)
         for cid in req.waiting:  # (the scheduler releases only what it was matched)
-            del self._waiters[cid][rid]
+            del self.host.waiters[cid][rid]  # type: ignore[union-attr]
         del self.requests[rid]
         if msg.reason == "retracted":
             if msg.token_ids:  # matched over what it computed
@@ -583,24 +483,14 @@ class CacheManagerCore:
                 f"(+ {in_flight} granted after lease {msg.last_lease_seq})"
             )
             out.append(CensusBroken(msg.step_id, "device", counted - total, detail))
-        host = self.host
-        if host is not None:
-            hc = host.counts  # a node's host pages are cached, or still being written
-            writing = sum(len(ps) for ps in self._writes.values())
-            cached = self.tree.num_host_pages - writing
-            counted = hc[FREE] + writing + cached
-            ok = counted == host.num_pages and hc[TREE] == cached and hc[OUT] == writing
-            out.append(Census(msg.step_id, "host", host.num_pages, hc[FREE], 0, 0, cached, ok,
-                              writing))  # fmt: skip
-            if not ok:
-                self._num_broken += 1
-                detail = (f"host ledger {hc[FREE]} free, {hc[OUT]} writing, {hc[TREE]} "
-                          f"cached; the tree holds {cached}, backups in flight {writing}")  # fmt: skip
-                out.append(CensusBroken(msg.step_id, "host", counted - host.num_pages, detail))
+        if self.host is not None:
+            host_census = self.host.census(msg.step_id, self.tree)
+            self._num_broken += len(host_census) - 1
+            out += host_census
         return out
 
     def _on_drop(self, msg: DropTree) -> list[Msg]:
-        if self._writes or self._loads:
+        if self.host is not None and self.host.busy:
             self._num_deferred += 1
             self._drops.append(msg)
             return []
@@ -614,7 +504,7 @@ class CacheManagerCore:
             return [TreeDropped(msg.flip_id, 0, False, why, tree.version)]
         reclaim = [p for p in tree.all_pages() if not self.ledger.is_free(p)]
         if self.host is not None:
-            self.host.free(tree.all_host_pages())
+            self.host.ledger.free(tree.all_host_pages())
         for req in self.requests.values():
             if req.node is not None:
                 req.reclaimed = frozenset(tree.path_pages(req.node))
@@ -638,7 +528,7 @@ class CacheManagerCore:
             num_locked_pages=self.tree.num_locked_pages,
             num_requests=len(self.requests),
             num_leases_in_flight=sum(self._leases_in_flight.values()),
-            num_copies_in_flight=len(self._writes) + len(self._loads),
+            num_copies_in_flight=len(self.host.writes) + len(self.host.loads) if self.host else 0,
             tree_version=self.tree.version,
             num_matches=self._num_matches,
             num_queried_tokens=self._num_queried,
@@ -650,15 +540,6 @@ class CacheManagerCore:
         )
 
     def _host_statistics(self) -> dict[str, int]:
-        host = self.host
-        if host is None:
+        if self.host is None:
             return {}
-        return dict(
-            num_host_pages=host.num_pages, num_host_free=host.counts[FREE],
-            num_host_in_tree=host.counts[TREE], num_host_writing=host.counts[OUT],
-            num_host_only_nodes=sum(1 for n in self.tree.nodes() if n.host_only),
-            num_host_hit_tokens=self._num_host_hit, num_spilled_pages=self._num_spilled,
-            num_loaded_pages=self._num_loaded, num_demoted_pages=self._num_demoted,
-            num_backups_skipped=self._num_skipped, num_copies_failed=self._num_failed,
-            num_drops_deferred=self._num_deferred,
-        )  # fmt: skip
+        return self.host.statistics(self.tree) | {"num_drops_deferred": self._num_deferred}

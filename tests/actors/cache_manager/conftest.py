@@ -227,16 +227,16 @@ class CacheMachineBase(RuleBasedStateMachine):
                 assert (i < len(path) and path[i] == p) or c._aside_owner.get(p) == rid
         assert set(c.requests) == set(self.waiting) | set(self.running) | set(self.loading)
         if c.host is not None:
-            c.host.check()
+            c.host.ledger.check()
             host_pages = tree.all_host_pages()
             assert len(host_pages) == len(set(host_pages)) == tree.num_host_pages
             writing = [h for o in self.copies_out if isinstance(o, SpillPages)
                        for h in o.host_pages]  # fmt: skip
-            assert sorted(writing) == c.host.pages_owned_by(OUT)
-            assert set(host_pages) == set(c.host.pages_owned_by(TREE)) | set(writing)
+            assert sorted(writing) == c.host.ledger.pages_owned_by(OUT)
+            assert set(host_pages) == set(c.host.ledger.pages_owned_by(TREE)) | set(writing)
             loading = [p for o in self.copies_out if isinstance(o, LoadPages)
                        for p in o.device_pages]  # fmt: skip
-            assert sorted(loading) == sorted(c._page_load)
+            assert sorted(loading) == sorted(c.host.page_load)
 
     @invariant()
     def locks_are_the_matched_paths(self):

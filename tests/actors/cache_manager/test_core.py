@@ -379,5 +379,8 @@ def test_any_message_sequence_keeps_the_books_whole(msgs, page_size, num_host_pa
                 n = n.parent
         assert all(n.lock_ref == locks.get(n.node_id, 0) for n in core.tree.nodes())
         if core.host is not None:
-            core.host.check()
-            assert core.host.counts[TREE] + core.host.counts[OUT] == core.tree.num_host_pages
+            core.host.ledger.check()
+            assert (
+                core.host.ledger.counts[TREE] + core.host.ledger.counts[OUT]
+                == core.tree.num_host_pages
+            )

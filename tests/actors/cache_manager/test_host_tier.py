@@ -77,13 +77,13 @@ def test_insert_backs_up_and_eviction_demotes_once_the_backup_landed():
     (st,) = of(out, BlockStored)
     (sp,) = of(out, SpillPages)
     assert sp.device_pages == pages and sp.keys == st.block_hashes and len(sp.host_pages) == 8
-    assert core.host.counts[OUT] == 8
+    assert core.host.ledger.counts[OUT] == 8
     # the backup is in flight: its pages stay, the short grant is owed a PagesEvictable
     (g,) = of(core.handle(LeaseRequest(seq(), 10)), LeaseGranted)
     assert len(g.pages) == 2 and g.num_evicted_pages == 0
     core.handle(LeaseReturned(g.pages))
     assert core.handle(PagesSpilled(sp.copy_id, sp.keys)) == [PagesEvictable(8)]
-    assert core.host.counts[TREE] == 8
+    assert core.host.ledger.counts[TREE] == 8
     out = squeeze(core, seq)
     assert not of(out, BlockRemoved)  # demoted, not gone: the blocks are still cached
     (node,) = core.tree.nodes()
@@ -154,7 +154,7 @@ def test_a_failed_load_matches_its_waiters_again_short_of_it():
     core.handle(SequenceReleased("c", [], []))
     out = squeeze(core, seq)
     assert of(out, BlockRemoved) and core.tree.nodes() == []
-    assert core.ledger.num_free == 10 and core.host.num_free == 16
+    assert core.ledger.num_free == 10 and core.host.ledger.num_free == 16
 
 
 def test_a_failed_backup_forgets_the_host_copy():
@@ -166,7 +166,7 @@ def test_a_failed_backup_forgets_the_host_copy():
     out = core.handle(PagesSpilled(sp.copy_id, sp.keys, ok=False, error="no"))
     assert out == [PagesEvictable(8)]  # its pages can be dropped now
     (node,) = core.tree.nodes()
-    assert node.host_pages == [] and core.host.num_free == 16
+    assert node.host_pages == [] and core.host.ledger.num_free == 16
     out = squeeze(core, seq)
     assert of(out, BlockRemoved) and core.tree.nodes() == []
 
@@ -194,7 +194,9 @@ def test_drop_waits_for_the_copies_in_flight():
     out = core.handle(PagesSpilled(sp.copy_id, sp.keys))
     (dropped,) = of(out, TreeDropped)
     assert dropped.ok and dropped.num_pages_reclaimed == 14
-    assert core.tree.nodes() == [] and core.host.num_free == 16 and core.ledger.num_free == 16
+    assert (
+        core.tree.nodes() == [] and core.host.ledger.num_free == 16 and core.ledger.num_free == 16
+    )
     assert core.statistics().num_drops_deferred == 1
 
 

@@ -302,7 +302,7 @@ class CacheMachine(CacheMachineBase):
         # (drops held together are carried out one after another: the last one's is now)
         assert res.tree_version <= t.version and t.num_pages == t.num_host_pages == 0
         assert self.core.ledger.counts[TREE] == 0
-        assert self.core.host is None or self.core.host.num_free == self.num_host_pages
+        assert self.core.host is None or self.core.host.ledger.num_free == self.num_host_pages
         for w in self.waiting.values():
             w.stale = True
 

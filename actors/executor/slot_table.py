@@ -16,7 +16,9 @@ Host-to-device copies come from pinned memory with non_blocking=True (a copy fro
 pageable memory may wait for the device). `PinnedStager` owns a small ring of pinned
 buffers; a buffer is reused only after the event recorded behind its last copy has
 completed, so the host may run a step or two ahead of the device without overwriting
-data the device has not read yet.
+data the device has not read yet. A staging larger than the buffers grows every
+buffer of the ring at once, so a long prefill pays for pinned allocations once, not
+again on each of the next `RING` long prefills as their turn comes round.
 
 `device_tensor` (and kernels/page_layout.py's `to_device`) move one small host list
 (or tensor) the same way, through a pinned copy, for index vectors outside the stager.
@@ -67,6 +69,22 @@ class PinnedStager:
     def _alloc(self, n: int) -> torch.Tensor:
         return torch.empty(n, dtype=torch.int64, pin_memory=self.pinned)
 
+    def _grow(self, n: int) -> None:
+        """Every ring buffer to at least n elements; a buffer is replaced only after its
+        last copy has been read (the pinned allocator keeps it until then anyway)."""
+        for j, b in enumerate(self._bufs):
+            if b.numel() < n:
+                ev = self._events[j]
+                if ev is not None:
+                    ev.synchronize()
+                    self._events[j] = None
+                self._bufs[j] = self._alloc(n)
+
+    @property
+    def capacity(self) -> int:
+        """Elements the smallest ring buffer holds."""
+        return min(b.numel() for b in self._bufs)
+
     def stage(self, parts: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
         """The concatenation of `parts` (host int64 vectors) on the device, in `out`
         (a device int64 tensor of that many elements) when given."""
@@ -82,7 +100,7 @@ class PinnedStager:
         if ev is not None:
             ev.synchronize()  # its last copy must have been read before the buffer is reused
         if self._bufs[i].numel() < total:
-            self._bufs[i] = self._alloc(max(total, 2 * self._bufs[i].numel()))
+            self._grow(max(total, 2 * self._bufs[i].numel()))
         buf = self._bufs[i][:total]
         torch.cat([p.reshape(-1) for p in parts], out=buf)
         if out is None:

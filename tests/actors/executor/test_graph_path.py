@@ -322,3 +322,19 @@ def test_graph_page_buffer_is_sized_for_flashinfer_buckets_only(
     assert r.backend == "flashinfer"
     assert made["max_num_pages"] == max(pool.num_pages + 1, want_pages)
     assert bool(r.graphs._fi) == (want_pages > 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_stager_grows_its_whole_ring_at_the_first_long_staging():
+    """A staging longer than the ring's buffers grows all of them at once (one round
+    of pinned allocations), and every staging, long or short, arrives intact while the
+    ring turns over more than once."""
+    from shunter.actors.executor.slot_table import RING, PinnedStager
+
+    st = PinnedStager(torch.device("cuda"), min_elems=16)
+    for i in range(2 * RING + 1):
+        v = torch.arange(1000 - i) * 3 if i % 3 else torch.arange(5) + i
+        assert torch.equal(st.stage([v[:7], v[7:]]).cpu(), v)
+        if i == 1:
+            assert st.capacity >= 999

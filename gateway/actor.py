@@ -7,7 +7,7 @@ Entry point for `shunter serve`:
                   task_status=anyio.TASK_STATUS_IGNORED) -> None
 
 It subscribes to its inbox first (TextDeltas, RequestFailed, ActorDied, SchedulerStats,
-Shutdown), then opens the port (`host`/`port` override the config's), publishes
+CacheStats, Shutdown), then opens the port (`host`/`port` override the config's), publishes
 `Ready(actor="gateway", info={"port": ...})`, sets `ready_event` and reports the bound
 port through `task_status.started(port)` (so `port=0` is usable), and serves until
 cancelled. The supervisor should start it after every other actor said Ready.

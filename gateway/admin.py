@@ -126,6 +126,7 @@ async def get_server_info(request: web.Request) -> web.Response:
         "dead_actors": dict(ctx.engine.dead),
         "memory_released": sorted(ctx.engine.flips.released),
         "internal_states": [msgspec.structs.asdict(stats) if stats else {}],
+        "cache": msgspec.structs.asdict(ctx.engine.cache_stats) if ctx.engine.cache_stats else {},
     })  # fmt: skip
 
 

@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 `Engine.listen` is one task that reads the gateway's inbox (TextDeltas, RequestFailed,
-ActorDied, SchedulerStats, Shutdown) and puts each delta or failure on the queue of the
+ActorDied, SchedulerStats, CacheStats, Shutdown) and puts each delta or failure on the queue of the
 request it belongs to. HTTP handlers call `Engine.generate`, which registers the queues
 *before* publishing the GenerateRequests, so no output can arrive unrouted, and read
 them through `RequestStream.next`. A handler that ends before its requests finish
@@ -35,6 +35,7 @@ import structlog
 from shunter.bus.messages import (
     AbortRequest,
     ActorDied,
+    CacheStats,
     DetokenizeQuery,
     DetokenizeReply,
     DropTree,
@@ -58,7 +59,7 @@ from shunter.gateway.metrics import Metrics
 
 log = structlog.get_logger(actor="gateway")
 
-INBOX_TYPES = (TextDeltas, RequestFailed, ActorDied, SchedulerStats, Shutdown)
+INBOX_TYPES = (TextDeltas, RequestFailed, ActorDied, SchedulerStats, CacheStats, Shutdown)
 
 
 def new_id(prefix: str = "") -> str:
@@ -143,6 +144,7 @@ class Engine:
         self.dead: dict[str, str] = {}  # actor id -> reason, from ActorDied
         self.shutting_down: str | None = None
         self.stats: SchedulerStats | None = None
+        self.cache_stats: CacheStats | None = None
         self.flips = Flips(bus, load_timeout_s=config.weights_load_timeout_s)
 
     def statistics(self) -> GatewayStats:
@@ -181,6 +183,9 @@ class Engine:
             case SchedulerStats():
                 self.stats = msg
                 self.metrics.stats = msg
+            case CacheStats():
+                self.cache_stats = msg
+                self.metrics.cache = msg
             case Shutdown():
                 self.shutting_down = msg.reason
 

@@ -4,7 +4,11 @@ the text exposition format (version 0.0.4) by hand: the set is small and fixed.
 Request-level figures (tokens, time to first token, inter-token latency, end-to-end
 latency) are measured at the gateway from delta arrival times; engine-level gauges
 (running and queued requests, KV usage, cache hit rate, throughput) come from the
-scheduler's periodic `SchedulerStats`.
+scheduler's periodic `SchedulerStats`. The KV cache's pages per tier and state, and its
+copies between tiers, come from the cache manager's `CacheStats` under `shunter:*`
+names (SGLang exports no such set): `shunter:kv_pages{tier,state}`,
+`shunter:prefix_hit_tokens_total{tier}`, `shunter:kv_pages_copied_total{direction}`,
+`shunter:kv_copies_failed_total` and `shunter:kv_pages_evicted_total`.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import bisect
 import math
 
-from shunter.bus.messages import SchedulerStats
+from shunter.bus.messages import CacheStats, SchedulerStats
 
 # Bucket bounds (seconds), close to SGLang's.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -86,6 +90,7 @@ class Metrics:
         )
         self.num_in_flight = 0
         self.stats: SchedulerStats | None = None
+        self.cache: CacheStats | None = None
 
     # -- updates (called by the gateway's engine client) ---------------------------------
 
@@ -210,6 +215,67 @@ class Metrics:
             "Generation throughput (tokens/s).",
             float(s.gen_throughput_tok_s) if s else 0.0,
         )
+        out += self._render_cache()
         for h in (self.ttft, self.itl, self.tpot, self.e2e):
             out += h.render(lb)
         return "\n".join(out) + "\n"  # fmt: skip
+
+    def _render_cache(self) -> list[str]:
+        """The `shunter:*` KV cache families from the latest CacheStats (none before the
+        first; the host rows only with a host tier)."""
+        c = self.cache
+        if c is None:
+            return []
+        lb, out = self.labels, []
+
+        def family(name: str, kind: str, doc: str, rows: list[tuple[str, int]]) -> None:
+            out.extend([f"# HELP {name} {doc}", f"# TYPE {name} {kind}"])
+            out.extend(
+                f"{name}{{{lb}{',' + extra if extra else ''}}} {_num(v)}" for extra, v in rows
+            )
+
+        host = c.num_host_pages > 0
+        pages = [
+            ('tier="device",state="free"', c.num_free),
+            ('tier="device",state="cached"', c.num_in_tree),
+            ('tier="device",state="in_use"', c.num_pages - c.num_free - c.num_in_tree),
+        ]
+        if host:
+            pages += [
+                ('tier="host",state="free"', c.num_host_free),
+                ('tier="host",state="cached"', c.num_host_in_tree),
+                ('tier="host",state="writing"', c.num_host_writing),
+            ]
+        family("shunter:kv_pages", "gauge", "KV cache pages by tier and state.", pages)
+        hits = [('tier="device"', c.num_hit_tokens - c.num_host_hit_tokens)]
+        if host:
+            hits.append(('tier="host"', c.num_host_hit_tokens))
+        family(
+            "shunter:prefix_hit_tokens_total",
+            "counter",
+            "Prompt tokens found in the prefix cache, by the tier that held them.",
+            hits,
+        )
+        if host:
+            family(
+                "shunter:kv_pages_copied_total",
+                "counter",
+                "KV pages copied between the device and the host tier.",
+                [
+                    ('direction="to_host"', c.num_spilled_pages),
+                    ('direction="to_device"', c.num_loaded_pages),
+                ],
+            )
+            family(
+                "shunter:kv_copies_failed_total",
+                "counter",
+                "Copies between the KV tiers that failed.",
+                [("", c.num_copies_failed)],
+            )
+        family(
+            "shunter:kv_pages_evicted_total",
+            "counter",
+            "Device KV pages evicted from the prefix cache.",
+            [("", c.num_evicted_pages)],
+        )
+        return out  # fmt: skip

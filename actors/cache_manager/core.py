@@ -46,8 +46,11 @@ Theory of operation
     Matched for with a SequenceReleased (bus/messages/cache.py says why), so an abort
     reaches the cache manager in the one order that is safe.
 
-    Time is `_clock`, advanced once per handled message; no clock, environment or
-    randomness is read, so a recorded inbox replays to the same outbox.
+    The scheduler's Tick (its shell's clock, every 0.25 s) asks for the figures of
+    /metrics: CacheStats goes out when they changed since the last Tick.
+
+    Time is `_clock`, advanced once per handled message (not by Tick); no clock,
+    environment or randomness is read, so a recorded inbox replays to the same outbox.
 
 Invariants (checked by tests/actors/cache_manager, after every message)
     - ledger counts: free + OUT + TREE + ASIDE == num_pages; TREE == tree.num_pages;
@@ -64,11 +67,12 @@ from shunter.actors.cache_manager.allocator import ASIDE, FREE, OUT, TREE, PageL
 from shunter.actors.cache_manager.config import SELECTIVE_HITS, CacheConfig
 from shunter.actors.cache_manager.host_tier import HostTier
 from shunter.actors.cache_manager.radix import EvictedBlock, Node, RadixTree
-from shunter.actors.cache_manager.stats import CacheStatistics
+from shunter.actors.cache_manager.stats import CacheStatistics, cache_stats
 from shunter.bus.messages import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    CacheStats,
     Census,
     CensusBroken,
     ChunkCached,
@@ -85,13 +89,14 @@ from shunter.bus.messages import (
     RequestFailed,
     SchedulerCensus,
     SequenceReleased,
+    Tick,
     Tokenized,
     TreeDropped,
 )
 
 Inbox = (
     Tokenized | RefreshMatch | LeaseRequest | LeaseReturned | ChunkCached | SequenceReleased
-    | SchedulerCensus | DropTree | PagesSpilled | PagesLoaded
+    | SchedulerCensus | DropTree | PagesSpilled | PagesLoaded | Tick
 )  # fmt: skip
 INBOX_TYPES: tuple[type[Msg], ...] = Inbox.__args__  # type: ignore[attr-defined]
 
@@ -150,8 +155,11 @@ class CacheManagerCore:
         self._clock = 0
         self._num_matches = self._num_queried = self._num_hit = 0
         self._num_evicted = self._num_refused = self._num_broken = self._num_deferred = 0
+        self._last_stats: CacheStats | None = None
 
     def handle(self, msg: Msg) -> list[Msg]:
+        if isinstance(msg, Tick):  # time is not the tree's clock: it moves with messages
+            return self._on_tick()
         self._clock += 1
         self.tree.now = self._clock
         match msg:
@@ -514,6 +522,15 @@ class CacheManagerCore:
         out: list[Msg] = [AllBlocksCleared()] if self.config.emit_kv_events else []
         out.append(TreeDropped(msg.flip_id, len(reclaim), True, "", tree.version))
         return out
+
+    def _on_tick(self) -> list[Msg]:
+        """The figures for /metrics, when they changed since the last Tick."""
+        stats = cache_stats(self.ledger, self.host, self._num_queried, self._num_hit,
+                            self._num_evicted)  # fmt: skip
+        if stats == self._last_stats:
+            return []
+        self._last_stats = stats
+        return [stats]
 
     def statistics(self) -> CacheStatistics:
         counts = self.ledger.counts

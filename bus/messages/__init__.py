@@ -13,6 +13,7 @@ from shunter.bus.messages.cache import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    CacheStats,
     Census,
     CensusBroken,
     ChunkCached,
@@ -88,7 +89,7 @@ ALL_MESSAGES: tuple[type[Msg], ...] = (
     Tokenized, TextDeltas, TokenizeQuery, TokenizeReply, DetokenizeQuery, DetokenizeReply,
     Matched, RefreshMatch, LeaseRequest, LeaseGranted, LeaseReturned, ChunkCached,
     SequenceReleased, SchedulerCensus, Census, CensusBroken, FreeRefused, DropTree,
-    TreeDropped, BlockStored, BlockRemoved, AllBlocksCleared, PagesEvictable,
+    TreeDropped, BlockStored, BlockRemoved, AllBlocksCleared, PagesEvictable, CacheStats,
     ForwardBatch, StepResult, TokensOut, Tick, SchedulerStats, SchedulerConfigured,
     SpillPages, PagesSpilled, LoadPages, PagesLoaded,
     FlipBegin, AdmissionPaused, FlipCutover, FlipDone, FlipQuiesced, UpdateWeights,
@@ -105,8 +106,8 @@ assert len(TOPICS) == len(ALL_MESSAGES), "two messages share a tag"
 
 __all__ = [
     "ALL_MESSAGES", "LAST_SAMPLED", "TOPICS", "AbortRequest", "ActorDied", "AdmissionPaused",
-    "AllBlocksCleared", "AnyMessage", "BlockRemoved", "BlockStored", "BusGap", "Census",
-    "CensusBroken", "ChatMessage", "ChunkCached", "DecodeFailed", "DetokenizeQuery",
+    "AllBlocksCleared", "AnyMessage", "BlockRemoved", "BlockStored", "BusGap", "CacheStats",
+    "Census", "CensusBroken", "ChatMessage", "ChunkCached", "DecodeFailed", "DetokenizeQuery",
     "DetokenizeReply", "DropTree", "Envelope", "FinishReason", "FlipBegin", "FlipCutover",
     "FlipDone", "FlipQuiesced", "ForwardBatch", "FreeRefused", "GenerateRequest", "HealthPing",
     "HealthPong", "Heartbeat", "LeaseGranted", "LeaseRequest", "LeaseReturned", "LoadPages",

@@ -119,6 +119,27 @@ class Census(Msg, tag="cache.census"):
     copying: int = 0
 
 
+class CacheStats(Msg, tag="cache.stats"):
+    """The cache manager's figures for /metrics: its pages per tier and state now, and
+    running totals. Sent on the scheduler's Tick when they changed since the last one
+    (so an idle engine sends none)."""
+
+    num_pages: int
+    num_free: int
+    num_in_tree: int  # device pages the prefix tree holds (the rest: leased or in rows)
+    num_queried_tokens: int  # prompt tokens matched against the tree
+    num_hit_tokens: int  # of those, tokens found cached (loaded back from the host included)
+    num_evicted_pages: int
+    num_host_pages: int = 0  # the host tier (all 0 when it is off)
+    num_host_free: int = 0
+    num_host_in_tree: int = 0
+    num_host_writing: int = 0  # host pages a backup in flight is writing
+    num_host_hit_tokens: int = 0  # hit tokens that were loaded back from the host
+    num_spilled_pages: int = 0  # pages backed up to the host
+    num_loaded_pages: int = 0  # pages loaded back to the device
+    num_copies_failed: int = 0
+
+
 class PagesEvictable(Msg, tag="cache.evictable"):
     """Cache manager to scheduler: pages a short lease could not have (their backup to
     the host tier was in flight) can be evicted now; asking again may succeed."""

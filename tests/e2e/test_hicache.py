@@ -6,8 +6,10 @@ decisions replay from its recorded inbox. Over ZMQ too (multi-process, heavy).""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import time
 
 import openai
 
@@ -36,7 +38,7 @@ def test_a_prefix_evicted_from_the_device_comes_back_from_the_host(
 ):
     # 512 device slots hold about three prompts; the host pool holds four times that
     args = ("--enable-hierarchical-cache", "--hicache-ratio", "4", "--max-total-tokens", "512",
-            "--max-running-requests", "2")  # fmt: skip
+            "--max-running-requests", "2", "--enable-metrics")  # fmt: skip
     with start_server(tmp_path / "srv", mode, *args) as server:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none")
 
@@ -54,6 +56,21 @@ def test_a_prefix_evicted_from_the_device_comes_back_from_the_host(
         status, info = call(server, "/get_server_info", method="GET")
         assert status == 200 and info["enable_hierarchical_cache"] is True
         assert info["executor"]["num_host_pages"] == 4 * info["num_kv_pages"]
+        # /metrics shows the copies once a Tick has carried the cache manager's figures
+        deadline, loaded = time.monotonic() + 10, 0.0
+        while time.monotonic() < deadline and loaded < cached - 8:
+            text = server.get("/metrics")[1].decode()
+            m = re.search(
+                r'shunter:kv_pages_copied_total\{[^}]*direction="to_device"\} (\S+)', text
+            )
+            loaded = float(m.group(1)) if m else 0.0
+            time.sleep(0.2)
+        assert loaded >= cached - 8, text
+        hits = re.search(r'shunter:prefix_hit_tokens_total\{[^}]*tier="host"\} (\S+)', text)
+        assert hits and float(hits.group(1)) >= cached - 8, text
+        assert re.search(r'shunter:kv_pages\{[^}]*tier="host",state="cached"\} [1-9]', text), text
+        info = call(server, "/get_server_info", method="GET")[1]
+        assert info["cache"]["num_host_pages"] == 4 * info["num_kv_pages"]
 
     msgs = [m for _, m in LogReader(server.events_dir).messages()]
     spills = [m for m in msgs if isinstance(m, SpillPages)]

@@ -51,3 +51,32 @@ def test_rendered_text_is_well_formed():
     assert values["sglang:time_per_output_token_seconds_sum"] == 0.02  # 0.06 s / 3 tokens
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
         assert f"# TYPE sglang:{name} histogram" in text
+
+
+def test_cache_families_follow_the_latest_cache_stats():
+    """No shunter:* KV rows before the first CacheStats; the device rows without a host
+    tier; with one, the host's pages, its hits and the copies both ways."""
+    from shunter.bus.messages import CacheStats
+
+    m = Metrics("m")
+    assert "shunter:" not in m.render()
+    m.cache = CacheStats(num_pages=100, num_free=60, num_in_tree=30, num_queried_tokens=50,
+                         num_hit_tokens=20, num_evicted_pages=7)  # fmt: skip
+    text = m.render()
+    samples = [ln for ln in text.splitlines() if ln.startswith("shunter:")]
+    assert all(LINE.match(ln) for ln in samples), samples
+    assert 'shunter:kv_pages{model_name="m",tier="device",state="in_use"} 10' in samples
+    assert 'shunter:prefix_hit_tokens_total{model_name="m",tier="device"} 20' in samples
+    assert 'shunter:kv_pages_evicted_total{model_name="m"} 7' in samples
+    assert 'tier="host"' not in text and "kv_pages_copied_total" not in text
+    m.cache = CacheStats(num_pages=100, num_free=60, num_in_tree=30, num_queried_tokens=50,
+                         num_hit_tokens=20, num_evicted_pages=7, num_host_pages=400,
+                         num_host_free=350, num_host_in_tree=40, num_host_writing=10,
+                         num_host_hit_tokens=12, num_spilled_pages=50, num_loaded_pages=12,
+                         num_copies_failed=1)  # fmt: skip
+    samples = [ln for ln in m.render().splitlines() if ln.startswith("shunter:")]
+    assert all(LINE.match(ln) for ln in samples), samples
+    assert 'shunter:prefix_hit_tokens_total{model_name="m",tier="device"} 8' in samples
+    assert 'shunter:prefix_hit_tokens_total{model_name="m",tier="host"} 12' in samples
+    assert 'shunter:kv_pages{model_name="m",tier="host",state="writing"} 10' in samples
+    assert 'shunter:kv_pages_copied_total{model_name="m",direction="to_device"} 12' in samples

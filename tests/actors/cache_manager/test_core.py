@@ -15,11 +15,13 @@ from shunter.bus.messages import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    CacheStats,
     Census,
     CensusBroken,
     ChunkCached,
     DropTree,
     FreeRefused,
+    HealthPing,
     LeaseGranted,
     LeaseRequest,
     LeaseReturned,
@@ -317,8 +319,31 @@ def test_duplicate_request_id_and_unknown_message():
     core.handle(tok("a", [1, 2, 3]))
     (f,) = core.handle(tok("a", [1, 2, 3]))
     assert isinstance(f, RequestFailed) and f.code == "invalid_request"
-    with pytest.raises(TypeError, match="Tick"):
-        core.handle(Tick(5))
+    with pytest.raises(TypeError, match="HealthPing"):
+        core.handle(HealthPing("p", "cache"))
+
+
+def test_a_tick_sends_the_figures_when_they_changed():
+    """Tick asks for CacheStats: sent when the figures moved since the last one, not
+    otherwise, and the tree's clock (its LRU order) does not move with ticks."""
+    core = make(page_size=1)
+    (first,) = core.handle(Tick(1))
+    assert isinstance(first, CacheStats)
+    assert (first.num_pages, first.num_free, first.num_in_tree, first.num_host_pages) == (
+        32,
+        32,
+        0,
+        0,
+    )
+    assert core.handle(Tick(2)) == []
+    clock = core._clock
+    serve(core, "a", [1, 2, 3, 4], 1)
+    core.handle(tok("b", [1, 2, 3, 9]))
+    (s,) = core.handle(Tick(3))
+    assert (s.num_in_tree, s.num_queried_tokens, s.num_hit_tokens) == (4, 8, 3)
+    assert s.num_free == 32 - 4
+    assert core._clock == clock + 4  # a lease, a release and two matches; no ticks
+    assert core.handle(Tick(4)) == []
 
 
 def test_config_validation_and_info_round_trip():

@@ -354,7 +354,11 @@ def _launch(
     pdl = use_pdl(x) if pdl is None else pdl
     waves = PREFETCH_WAVES if pdl else 0  # the prefetch is sm_90 PTX, as PDL is
     line_elems = 128 // weight.element_size()
-    key = (block_n, block_k, warps, prologue, waves, PREFETCH_ALL, m, x.dtype, x.device)
+    key = (
+        (block_n, block_k, warps, prologue, waves, PREFETCH_ALL, m, x.dtype, x.device)
+        if waves
+        else ()
+    )
     compiled = _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         residual if residual is not None else x,
@@ -401,6 +405,8 @@ def _resident_programs(compiled, device: torch.device) -> int:
     props = torch.cuda.get_device_properties(device)
     if PREFETCH_PER_SM:
         return PREFETCH_PER_SM * props.multi_processor_count
+    if getattr(compiled, "n_regs", None) is None and hasattr(compiled, "_init_handles"):
+        compiled._init_handles()  # loaded at launch in the Triton versions seen so far
     warps = compiled.metadata.num_warps
     warp_regs = -(-max(compiled.n_regs, 1) * 32 // 256) * 256  # allocated per warp in 256s
     per_sm = min(

@@ -88,7 +88,7 @@ from shunter.actors.executor.sampling import (
     sample_on_device,
     sample_results,
 )
-from shunter.actors.executor.slot_table import device_tensor, long_tensor
+from shunter.actors.executor.slot_table import SLICE_MAX_ENTRIES, device_tensor, long_tensor
 from shunter.bus.messages import (
     ForwardBatch,
     LoadPages,
@@ -299,13 +299,16 @@ class ExecutorCore:
             tables.append_pages([e.row_idx for e in entries], [e.base_pages for e in entries],
                                 b.num_new_pages, plan.new_pages)  # fmt: skip
 
-        counts = long_tensor(b.num_new_tokens)  # [E]
-        starts = long_tensor(b.start_pos)  # [E]
         num_tokens = len(b.input_ids)
         if num_tokens == len(entries):  # all decode: one token per entry
-            positions = starts
+            positions = long_tensor(b.start_pos)
             token_rows = long_tensor(b.rows)
+        elif len(entries) <= SLICE_MAX_ENTRIES:  # a long prefill: a run per entry, no expansion
+            spans = list(zip(b.rows, b.start_pos, b.num_new_tokens, strict=True))
+            positions = torch.cat([torch.arange(s, s + n) for _, s, n in spans])
+            token_rows = torch.cat([torch.full((n,), r, dtype=torch.int64) for r, _, n in spans])
         else:
+            counts, starts = long_tensor(b.num_new_tokens), long_tensor(b.start_pos)  # [E]
             first = torch.cumsum(counts, 0) - counts  # [E] offset of each entry's first token
             positions = torch.repeat_interleave(starts - first, counts) + torch.arange(num_tokens)
             token_rows = torch.repeat_interleave(long_tensor(b.rows), counts)  # [T]

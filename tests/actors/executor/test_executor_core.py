@@ -143,6 +143,36 @@ def test_batched_rows_of_different_lengths_match_reference(model):
     assert out[7] == b["output_ids"][:6]
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefill_positions_are_the_same_either_way_they_are_built(model, monkeypatch, page_size):
+    """A few entries' positions and rows are built as a run per entry, many entries'
+    by expanding the counts: both give the same tokens, a cached prefix included."""
+    from shunter.actors.executor import core as core_mod
+
+    a, b = PROMPTS["capital"]["input_ids"], PROMPTS["hashtable"]["input_ids"]
+
+    def run() -> dict[int, list[int]]:
+        drv = Driver(make_core(model, page_size=page_size))
+        generate(drv, [(0, a)], 1)
+        ps = drv.ps
+        num = (len(a) // 2) // ps * ps  # row 1 starts past row 0's cached first half
+        opened = open_row(1, prefix_pages=drv.pages[0][: num // ps], num_prefix=num,
+                          prefix_ids=a[:num])  # fmt: skip
+        res = drv.step([(1, a[num:]), (2, b), (3, b[:9])], opens=[opened, open_row(2), open_row(3)])
+        out = {r: [t] for r, t in zip(res.rows, res.token_ids)}
+        for _ in range(3):
+            res = drv.step([(r, [LAST_SAMPLED]) for r in (1, 2, 3)])
+            for r, t in zip(res.rows, res.token_ids):
+                out[r].append(t)
+        return out
+
+    runs = run()
+    monkeypatch.setattr(core_mod, "SLICE_MAX_ENTRIES", 0)
+    assert run() == runs
+    assert runs[1] == PROMPTS["capital"]["output_ids"][:4]
+    assert runs[2] == PROMPTS["hashtable"]["output_ids"][:4]
+
+
 def test_prefix_cached_open_gives_same_tokens(model):
     ref = PROMPTS["capital"]
     ids, want = ref["input_ids"], ref["output_ids"]

@@ -329,11 +329,12 @@ class CacheManagerCore:
         num_evicted = self._evict(msg.num_pages - self.ledger.num_free, out)
         self._num_evicted += num_evicted
         pages = self.ledger.take(max(msg.num_pages, 0))
-        if len(pages) < msg.num_pages and self.host is not None and self.host.blocked:
+        blocked = len(pages) < msg.num_pages and self.host is not None and self.host.blocked
+        if blocked:
             self.host.owe_relief = True
         flights = self._leases_in_flight
         flights[msg.lease_seq] = flights.get(msg.lease_seq, 0) + len(pages)
-        out.append(LeaseGranted(msg.lease_seq, pages, num_evicted))
+        out.append(LeaseGranted(msg.lease_seq, pages, num_evicted, blocked))
         return out
 
     # -- pages coming back --------------------------------------------------------

@@ -61,6 +61,8 @@ def plan_step(core: SchedulerCore, out: list[Msg]) -> ForwardBatch | None:
             return None
         if core.in_flight:
             return None  # relieve the pressure once nothing in flight writes its pages
+        if pool.awaits_backup:
+            return None  # the pages come free when a backup to the host lands (PagesEvictable)
         # The cache could not grant more since our last release. First unpin the tree
         # pages that waiting requests' matches lock (no work is lost), then retract.
         parkable = [r for r in core.waiting.values() if r.num_cached and not r.awaiting_match]
@@ -102,7 +104,8 @@ def plan_step(core: SchedulerCore, out: list[Msg]) -> ForwardBatch | None:
         _admit(core, builder, out, prefill_left, chunk_left, pages_left)
 
     core.num_held += builder.add_decodes(decodes, pool.pages, ps)
-    if not len(builder) and pool.cache_short and pool.outstanding is None and not core.in_flight:
+    if (not len(builder) and pool.cache_short and not pool.awaits_backup
+            and pool.outstanding is None and not core.in_flight):  # fmt: skip
         if core.running:
             pressure.unstall(core, out)  # running requests wait for pages the cache cannot give
         elif core.admission_deficit and not core.paused_by:

@@ -6,7 +6,9 @@ At most one lease request is outstanding. A grant smaller than asked means the c
 could not free more (everything else is held or locked): `cache_short` stays set until
 the scheduler itself gives pages back (a release, a retraction) or the cache manager
 says that pages became evictable (PagesEvictable: a backup to the host tier that held
-them landed); this keeps a short cache from being asked every step.
+them landed); this keeps a short cache from being asked every step. A short grant that
+`awaits_backup` will be followed by that PagesEvictable: the scheduler waits for it
+rather than parking, retracting or aborting requests to free pages.
 
 Invariants
     - Every page is in the pool at most once; pages leave it only into a request's row
@@ -21,7 +23,7 @@ from shunter.bus.messages import LeaseGranted, LeaseRequest, LeaseReturned
 
 
 class LeasePool:
-    __slots__ = ("cache_short", "last_received_seq", "next_seq", "num_grants",
+    __slots__ = ("awaits_backup", "cache_short", "last_received_seq", "next_seq", "num_grants",
                  "num_requests", "outstanding", "pages")  # fmt: skip
 
     def __init__(self) -> None:
@@ -30,6 +32,7 @@ class LeasePool:
         self.outstanding: tuple[int, int] | None = None  # (lease_seq, num_pages asked)
         self.last_received_seq = 0
         self.cache_short = False
+        self.awaits_backup = False  # cache_short until a backup in flight lands
         self.num_requests = 0
         self.num_grants = 0
 
@@ -53,6 +56,7 @@ class LeasePool:
         if self.outstanding is None or self.outstanding[0] != msg.lease_seq:
             return False
         self.cache_short = len(msg.pages) < self.outstanding[1]
+        self.awaits_backup = self.cache_short and msg.awaits_backup
         self.outstanding = None
         return True
 
@@ -68,5 +72,6 @@ class LeasePool:
         return LeaseReturned(pages=self.take(n))
 
     def pages_released(self) -> None:
-        """The scheduler freed pages on the cache manager's side: a lease may succeed again."""
-        self.cache_short = False
+        """The scheduler freed pages on the cache manager's side, or a backup landed: a
+        lease may succeed again."""
+        self.cache_short = self.awaits_backup = False

@@ -62,6 +62,9 @@ class LeaseGranted(Msg, tag="cache.lease.granted"):
     lease_seq: int
     pages: list[int]  # may be fewer than asked for (possibly none) when the pool is short
     num_evicted_pages: int = 0  # evicted from the tree to make this grant
+    # short because a leaf's backup to the host tier was still running: PagesEvictable
+    # follows once one lands, so the scheduler can wait instead of freeing pages itself
+    awaits_backup: bool = False
 
 
 class LeaseReturned(Msg, tag="cache.lease.returned"):

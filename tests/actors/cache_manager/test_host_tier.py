@@ -80,7 +80,7 @@ def test_insert_backs_up_and_eviction_demotes_once_the_backup_landed():
     assert core.host.ledger.counts[OUT] == 8
     # the backup is in flight: its pages stay, the short grant is owed a PagesEvictable
     (g,) = of(core.handle(LeaseRequest(seq(), 10)), LeaseGranted)
-    assert len(g.pages) == 2 and g.num_evicted_pages == 0
+    assert len(g.pages) == 2 and g.num_evicted_pages == 0 and g.awaits_backup
     core.handle(LeaseReturned(g.pages))
     assert core.handle(PagesSpilled(sp.copy_id, sp.keys)) == [PagesEvictable(8)]
     assert core.host.ledger.counts[TREE] == 8

@@ -37,6 +37,7 @@ class Feeder:
         self.core = SchedulerCore(SchedulerConfig(**cfg))
         self.next_page = 1000
         self.grant_queue: list[int] = []  # sizes of the next grants; then in full
+        self.short_awaits_backup = False  # short grants say a backup to the host holds pages
         self.log: list = []
 
     def send(self, msg):
@@ -47,7 +48,8 @@ class Feeder:
                 n = min(m.num_pages, self.grant_queue.pop(0)) if self.grant_queue else m.num_pages
                 pages = list(range(self.next_page, self.next_page + n))
                 self.next_page += n
-                out += self.send(LeaseGranted(m.lease_seq, pages))
+                short = self.short_awaits_backup and n < m.num_pages
+                out += self.send(LeaseGranted(m.lease_seq, pages, 0, short))
         return out
 
     @staticmethod

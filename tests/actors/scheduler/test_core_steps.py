@@ -82,6 +82,28 @@ def test_a_lone_request_that_cannot_grow_is_aborted_not_stalled():
     assert of(out, SequenceReleased)[-1].reason == "aborted" and not f.core.running
 
 
+def test_a_grant_short_for_a_backup_in_flight_is_waited_for_not_relieved():
+    """The lone request of the test above, but the cache's grant came short only because
+    a backup to the host tier holds its evictable pages (awaits_backup): the scheduler
+    neither aborts nor parks nor retracts; it waits for PagesEvictable, then asks again
+    and the request goes on."""
+    f = Feeder(page_size=1, lease_lookahead_steps=1, lease_max_surplus_pages=0)
+    b = f.batch(f.send(matched("solo", range(4), max_new=50)))
+    f.grant_queue, f.short_awaits_backup = [0, 0], True
+    b = f.batch(f.step(b))
+    out = f.step(b)
+    assert f.batch(out) is None and not outputs(out)[-1].finish_reason
+    assert not of(out, SequenceReleased) and list(f.core.running) == ["solo"]
+    assert f.core.pool.awaits_backup and f.batch(f.send(Tick(1_000_000))) is None
+    f.grant_queue = []  # the backup landed: the next grant is whole
+    out = f.send(PagesEvictable(8))
+    assert of(out, LeaseRequest) and not f.core.pool.awaits_backup
+    b = f.batch(out)
+    assert b is not None and b.rows == [f.core.running["solo"].row]
+    s = f.core.statistics()
+    assert (s.num_retractions, s.num_parked, s.num_aborted) == (0, 0, 0)
+
+
 def test_rows_are_closed_in_the_next_batch_and_reused_after():
     f = Feeder(max_running_requests=2)
     b = f.batch(f.send(matched("a", range(3), max_new=1)))

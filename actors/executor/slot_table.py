@@ -70,15 +70,13 @@ class PinnedStager:
         return torch.empty(n, dtype=torch.int64, pin_memory=self.pinned)
 
     def _grow(self, n: int) -> None:
-        """Every ring buffer to at least n elements; a buffer is replaced only after its
-        last copy has been read (the pinned allocator keeps it until then anyway)."""
+        """Every ring buffer to at least n elements, without waiting: a replaced buffer
+        whose copy is still queued stays with torch's pinned allocator, which reuses a
+        block only after the copies recorded on it have run."""
         for j, b in enumerate(self._bufs):
             if b.numel() < n:
-                ev = self._events[j]
-                if ev is not None:
-                    ev.synchronize()
-                    self._events[j] = None
                 self._bufs[j] = self._alloc(n)
+                self._events[j] = None  # nothing queued reads the new one
 
     @property
     def capacity(self) -> int:

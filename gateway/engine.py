@@ -4,9 +4,9 @@ Theory of operation
 -------------------
 `Engine.listen` is one task that reads the gateway's inbox (TextDeltas, RequestFailed,
 ActorDied, SchedulerStats, CacheStats, Shutdown) and puts each delta or failure on the
-queue of the request it belongs to. HTTP handlers call `Engine.generate`, which registers the queues
-*before* publishing the GenerateRequests, so no output can arrive unrouted, and read
-them through `RequestStream.next`. A handler that ends before its requests finish
+queue of the request it belongs to. HTTP handlers call `Engine.generate`, which
+registers the queues *before* publishing the GenerateRequests, so no output can arrive
+unrouted, and read them through `RequestStream.next`. A handler that ends before its requests finish
 (client gone, error elsewhere) calls `Engine.abort`, which publishes AbortRequest and
 forgets the queues: late outputs for them are dropped.
 

@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "bus": ("shunter.ops.bench_bus", "message codec and transport latency/throughput"),
     "executor": ("shunter.ops.bench_executor", "model forward speed, beside HF transformers"),
     "gemv": ("shunter.ops.bench_gemv", "one-row GEMV tile configs at decode projection shapes"),
+    "host-tier": ("shunter.ops.bench_host_tier", "the host KV tier's copies beside a plain copy"),
     "scheduler": ("shunter.ops.bench_scheduler", "scheduler and radix cache cores, no model"),
     "serve": ("shunter.ops.bench_serve", "online serving benchmark against any OpenAI URL"),
 }

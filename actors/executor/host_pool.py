@@ -9,13 +9,18 @@ which rounds every block up to a power of two (a 40 GB pool would lock 64 GB). W
 host page holds which tokens is the cache manager's; here a copy is a list of
 (source page, destination page) pairs, checked whole before anything moves.
 
-A copy moves every layer at once: the source slots are gathered along dim 1
-(index_select over all layers) and scattered into the destination slots (index_copy_),
-in chunks of about _CHUNK_BYTES so the temporaries stay small. On CUDA both directions
-go through pinned staging on the current stream, the one the forwards run on: a load is
-queued before any later forward (the host never waits for it), and a spill's gather is
-queued after every earlier forward and synchronized before `spill` returns, so its host
-pages are readable once it does. On a CPU the copies are plain tensor ops.
+A copy takes its (device page, host page) pairs in host-page order, in chunks of
+about _CHUNK_BYTES so the temporaries stay small. On the device side each chunk is one
+gather (a spill's index_select) or scatter (a load's index_copy_) over all layers. On
+the host side a chunk whose host pages form long runs of consecutive pages (at least
+_MIN_RUN_BYTES of K per layer and run, on average) moves each run as one slice per
+layer, straight between the host pool and a device-side block: no host-side gather or
+scatter, which on a GPU costs more than the PCIe copy. A scattered chunk is gathered
+or scattered on the host by index instead, through pinned staging. Everything is
+queued on the current stream, the one the forwards run on: a load is queued before
+any later forward (the host never waits for it), and a spill's copies are queued after
+every earlier forward and synchronized before `spill` returns, so its host pages are
+readable once it does. On a CPU the same paths run as plain tensor ops.
 
 Invariants: a refused copy (ValueError: length mismatch, a page out of range, a
 destination page named twice, the device pool released or of another layout) changes
@@ -28,6 +33,7 @@ import threading
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import msgspec
 import torch
@@ -36,6 +42,10 @@ from shunter.actors.executor.kv_pool import KVPool, host_available_bytes
 
 # K (or V) bytes of one chunk of a copy: bounds the gathered temporaries and staging
 _CHUNK_BYTES = 64 << 20
+# A chunk's host pages move as slices when its runs of consecutive host pages average at
+# least this many K bytes per layer; below it one indexed copy costs less than the
+# slices' calls (2 per layer and run).
+_MIN_RUN_BYTES = 64 << 10
 
 
 class HostKVPoolStats(msgspec.Struct, frozen=True):
@@ -94,16 +104,21 @@ class HostKVPool:
         self._check(pool, device_pages, host_pages, "device", pool.num_pages, "host",
                     self.num_pages)  # fmt: skip
         cuda = pool.device.type == "cuda"
-        for src, dst in self._chunks(device_pages, host_pages, pool.device, "cpu"):
-            blocks = [d.index_select(1, src) for d in (pool.k_all, pool.v_all)]  # [L, n, H, D]
-            if cuda:  # to pinned staging, then wait: the stream reaches it after the forwards
-                staged = [self._staging(b.shape) for b in blocks]
-                for s, b in zip(staged, blocks, strict=True):
-                    s.copy_(b, non_blocking=True)
-                torch.cuda.current_stream(pool.device).synchronize()
-                blocks = staged
-            self.k_all.index_copy_(1, dst, blocks[0])
-            self.v_all.index_copy_(1, dst, blocks[1])
+        for part in self._parts(host_pages, device_pages, pool.device):
+            for h, d in ((self.k_all, pool.k_all), (self.v_all, pool.v_all)):
+                block = d.index_select(1, part.device_slots)  # [L, n, H, D], host order
+                if part.runs is not None:  # no host pages repeat in a spill: pos is None
+                    for first, at, count in part.runs:
+                        _copy_slice(h, first, block, at, count, cuda)
+                    continue
+                if cuda:  # to pinned staging; the stream reaches it after the forwards
+                    staged = self._staging(block.shape)
+                    staged.copy_(block, non_blocking=True)
+                    torch.cuda.current_stream(pool.device).synchronize()
+                    block = staged
+                h.index_copy_(1, part.host_slots, block)
+        if cuda:
+            torch.cuda.current_stream(pool.device).synchronize()
         self._num_spilled += len(device_pages)
 
     def load(self, pool: KVPool, host_pages: list[int], device_pages: list[int]) -> None:
@@ -113,14 +128,24 @@ class HostKVPool:
         self._check(pool, host_pages, device_pages, "host", self.num_pages, "device",
                     pool.num_pages)  # fmt: skip
         cuda = pool.device.type == "cuda"
-        for src, dst in self._chunks(host_pages, device_pages, "cpu", pool.device):
+        for part in self._parts(host_pages, device_pages, pool.device):
             for h, d in ((self.k_all, pool.k_all), (self.v_all, pool.v_all)):
-                if cuda:  # the host allocator keeps the staging until the copy has run
-                    block = self._staging((self.num_layers, len(src), *self.slot_shape))
-                    torch.index_select(h, 1, src, out=block)
-                    d.index_copy_(1, dst, block.to(pool.device, non_blocking=True))
+                if part.runs is not None:
+                    block = torch.empty((self.num_layers, part.num_host_slots, *self.slot_shape),
+                                        dtype=self.dtype, device=pool.device)  # fmt: skip
+                    for first, at, count in part.runs:
+                        _copy_slice(block, at, h, first, count, cuda)
+                    if part.pos is not None:  # a host page loaded into several pages
+                        block = block.index_select(1, part.pos)
+                elif cuda:  # the host allocator keeps the staging until the copy has run
+                    staged = self._staging(
+                        (self.num_layers, len(part.host_slots), *self.slot_shape)
+                    )
+                    torch.index_select(h, 1, part.host_slots, out=staged)
+                    block = staged.to(pool.device, non_blocking=True)
                 else:
-                    d.index_copy_(1, dst, h.index_select(1, src))
+                    block = h.index_select(1, part.host_slots)
+                d.index_copy_(1, part.device_slots, block)
         self._num_loaded += len(host_pages)
 
     def statistics(self) -> HostKVPoolStats:
@@ -152,18 +177,66 @@ class HostKVPool:
             twice = next(p for p, n in Counter(dst).items() if n > 1)
             raise ValueError(f"{dst_name} page {twice} is a destination twice")
 
-    def _chunks(self, src: list[int], dst: list[int], src_device: str | torch.device,
-                dst_device: str | torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
-        """([n] int64 source slots, [n] int64 destination slots) on their pools' devices,
-        about _CHUNK_BYTES of K per chunk."""
-        slot_bytes = self.num_layers * self.k_all[0, :1].nbytes
-        step = max(1, _CHUNK_BYTES // (slot_bytes * self.page_size))
-        for i in range(0, len(src), step):
-            yield (_slots(src[i : i + step], self.page_size).to(src_device),
-                   _slots(dst[i : i + step], self.page_size).to(dst_device))  # fmt: skip
+    def _parts(self, host_pages: list[int], device_pages: list[int],
+               device: torch.device) -> Iterator[_Part]:  # fmt: skip
+        """The pairs `host_pages[i] <-> device_pages[i]` in host-page order, about
+        _CHUNK_BYTES of K per part."""
+        order = sorted(range(len(host_pages)), key=host_pages.__getitem__)
+        slot_bytes = self.k_all[0, :1].nbytes  # K of one slot in one layer
+        step = max(1, _CHUNK_BYTES // (slot_bytes * self.num_layers * self.page_size))
+        for i in range(0, len(order), step):
+            hp = [host_pages[j] for j in order[i : i + step]]
+            device_slots = _slots([device_pages[j] for j in order[i : i + step]],
+                                  self.page_size).to(device)  # fmt: skip
+            runs, pos = _runs(hp, self.page_size)
+            slices = runs[-1][1] + runs[-1][2]  # slots of the distinct host pages
+            if slices * slot_bytes >= _MIN_RUN_BYTES * len(runs):
+                yield _Part(device_slots, None, runs, slices,
+                            None if pos is None else _slots(pos, self.page_size).to(device))  # fmt: skip
+            else:
+                yield _Part(device_slots, _slots(hp, self.page_size), None, 0, None)
 
     def _staging(self, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
         return torch.empty(shape, dtype=self.dtype, pin_memory=self.pinned)
+
+
+class _Part(NamedTuple):
+    """One chunk of a copy, in host-page order."""
+
+    device_slots: torch.Tensor  # [n] int64 on the device pool's device, pair by pair
+    host_slots: torch.Tensor | None  # [n] int64 on the host, pair by pair (indexed copy)
+    runs: list[tuple[int, int, int]] | None  # (host slot, block slot, slots) (sliced copy)
+    num_host_slots: int  # slots of the block the runs fill
+    pos: torch.Tensor | None  # [n] each pair's block slot, when a host page repeats
+
+
+def _runs(pages: list[int], page_size: int) -> tuple[list[tuple[int, int, int]], list[int] | None]:
+    """For sorted `pages`: the runs of consecutive distinct pages as (first host slot,
+    slot in a block holding the distinct pages in order, slots), and each page's index
+    among the distinct ones (None when no page repeats)."""
+    distinct, pos = [pages[0]], [0]
+    for p in pages[1:]:
+        if p != distinct[-1]:
+            distinct.append(p)
+        pos.append(len(distinct) - 1)
+    runs, start = [], 0
+    for k in range(1, len(distinct) + 1):
+        if k == len(distinct) or distinct[k] != distinct[k - 1] + 1:
+            runs.append((distinct[start] * page_size, start * page_size, (k - start) * page_size))
+            start = k
+    return runs, None if len(distinct) == len(pages) else pos
+
+
+def _copy_slice(dst: torch.Tensor, dst_at: int, src: torch.Tensor, src_at: int, count: int,
+                cuda: bool) -> None:  # fmt: skip
+    """dst[:, dst_at:+count] = src[:, src_at:+count] ([L, slots, H, D] each). Between the
+    host and a GPU one copy per layer, each a contiguous block (a strided copy across
+    devices would go through an unpinned temporary)."""
+    if not cuda:
+        dst[:, dst_at : dst_at + count].copy_(src[:, src_at : src_at + count])
+        return
+    for d, s in zip(dst, src, strict=True):
+        d[dst_at : dst_at + count].copy_(s[src_at : src_at + count], non_blocking=True)
 
 
 def _slots(pages: list[int], page_size: int) -> torch.Tensor:

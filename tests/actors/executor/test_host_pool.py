@@ -70,8 +70,11 @@ def _others_unchanged(before: tuple[torch.Tensor, torch.Tensor], pool, written, 
 
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("chunk_bytes", [64 << 20, 1])  # one chunk; a chunk per page
-def test_spill_then_load_round_trips_every_layer(page_size, chunk_bytes, monkeypatch):
+@pytest.mark.parametrize("min_run_bytes", [0, 1 << 40])  # host runs as slices; by index
+def test_spill_then_load_round_trips_every_layer(page_size, chunk_bytes, min_run_bytes,
+                                                 monkeypatch):  # fmt: skip
     monkeypatch.setattr(host_pool_module, "_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(host_pool_module, "_MIN_RUN_BYTES", min_run_bytes)
     pool, host = _pools(page_size)
     original = (pool.k_all.clone(), pool.v_all.clone())
     device_pages, host_pages = [7, 2, 9, 0, 11], [13, 1, 5, 19, 6]
@@ -94,6 +97,50 @@ def test_spill_then_load_round_trips_every_layer(page_size, chunk_bytes, monkeyp
     assert (s.num_pages, s.page_size, s.num_slots) == (20, page_size, 20 * page_size)
     assert (s.num_pages_spilled, s.num_pages_loaded, s.pinned) == (5, 5, False)
     assert s.total_bytes == PER_TOKEN_F32 * 20 * page_size
+
+
+def _copied(src, src_pages, dst, dst_pages, page_size) -> tuple[torch.Tensor, torch.Tensor]:
+    """dst's K and V after copying src_pages[i] to dst_pages[i] page by page."""
+    want = dst.k_all.clone(), dst.v_all.clone()
+    for a, b in zip(src_pages, dst_pages, strict=True):
+        for w, s in zip(want, (src.k_all, src.v_all), strict=True):
+            _page(w, b, page_size).copy_(_page(s, a, page_size))
+    return want
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("min_run_bytes", [0, 1 << 40])
+def test_copies_of_runs_repeats_and_any_order_match_plain_indexing(seed, min_run_bytes,
+                                                                   monkeypatch):  # fmt: skip
+    """Host pages in long runs (ascending, descending, interleaved), a host page loaded
+    into several device pages, chunks splitting runs: each copy equals indexing page by
+    page, and nothing else changes."""
+    monkeypatch.setattr(host_pool_module, "_MIN_RUN_BYTES", min_run_bytes)
+    monkeypatch.setattr(host_pool_module, "_CHUNK_BYTES", [64 << 20, 3 * 4 * 2 * 4 * 5][seed % 2])
+    page_size = [1, 2, 4][seed % 3]
+    g = torch.Generator().manual_seed(seed)
+    pool = KVPool(CFG, 12, page_size=page_size)
+    host = HostKVPool(40, like=pool)
+    for t in (pool.k_all, pool.v_all, host.k_all, host.v_all):
+        t.copy_(torch.randn(t.shape, generator=g))
+    # 30-34 ascending, 9-5 descending and 20-21, interleaved
+    host_pages = [30, 9, 20, 31, 8, 21, 32, 7, 33, 6, 34, 5]
+    device_pages = torch.randperm(12, generator=g).tolist()
+
+    want = _copied(pool, device_pages, host, host_pages, page_size)
+    host.spill(pool, device_pages, host_pages)
+    assert torch.equal(host.k_all, want[0]) and torch.equal(host.v_all, want[1])
+
+    sources = [31, 31, 32, 5, 4, 3, 30, 33, 34, 35, 20, 5]  # 31 and 5 twice
+    want = _copied(host, sources, pool, device_pages, page_size)
+    host.load(pool, sources, device_pages)
+    assert torch.equal(pool.k_all, want[0]) and torch.equal(pool.v_all, want[1])
+
+
+def test_runs_of_sorted_pages():
+    assert host_pool_module._runs([3, 4, 5, 9, 10, 20], 1) == (
+        [(3, 0, 3), (9, 3, 2), (20, 5, 1)], None)  # fmt: skip
+    assert host_pool_module._runs([2, 2, 3, 7], 4) == ([(8, 0, 8), (28, 8, 4)], [0, 0, 1, 2])
 
 
 def test_bf16_and_empty_copies():
@@ -320,3 +367,38 @@ async def test_actor_answers_copies_in_order_between_batches(config):
     steps = [m for m in got if isinstance(m, StepResult)]
     assert [s.step_id for s in steps] == [0, 1] and all(s.error is None for s in steps)
     assert steps[1].token_ids == steps[0].token_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("min_run_bytes", [0, 1 << 40])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cuda_copies_match_plain_indexing(min_run_bytes, page_size, monkeypatch):
+    """On a GPU, bf16, at the 8B model's KV head shape: a spill (readable when it returns)
+    and a load (queued; read after a synchronize) in both host paths, over runs split by
+    small chunks, equal a page-by-page copy; the host pool is page-locked."""
+    monkeypatch.setattr(host_pool_module, "_MIN_RUN_BYTES", min_run_bytes)
+    monkeypatch.setattr(host_pool_module, "_CHUNK_BYTES", 1 << 20)
+    cfg = ModelConfig(family="llama", vocab_size=32, hidden_size=1024, intermediate_size=32,
+                      num_layers=4, num_heads=8, num_kv_heads=8, head_dim=128)  # fmt: skip
+    pool = KVPool(cfg, 96, page_size=page_size, dtype=torch.bfloat16, device="cuda")
+    host = HostKVPool(128, like=pool)
+    assert host.pinned
+    g = torch.Generator().manual_seed(page_size)
+    for t in (pool.k_all, pool.v_all):
+        t.copy_(torch.randn(t.shape, generator=g))
+    device_pages = torch.randperm(96, generator=g)[:80].tolist()
+    host_pages = list(range(100, 128)) + list(range(40, 0, -1)) + [60, 62, 64, 66, 68, 70, 72,
+                                                                   74, 76, 78, 80, 82]  # fmt: skip
+    host.spill(pool, device_pages, host_pages)
+    for d, h in zip(device_pages, host_pages, strict=True):
+        for src, dst in ((pool.k_all, host.k_all), (pool.v_all, host.v_all)):
+            assert torch.equal(_page(src, d, page_size).cpu(), _page(dst, h, page_size))
+    original = pool.k_all.clone(), pool.v_all.clone()
+    pool.k_all.zero_()
+    pool.v_all.zero_()
+    host.load(pool, host_pages, device_pages)
+    torch.cuda.synchronize()
+    for d in device_pages:
+        for now, then in zip((pool.k_all, pool.v_all), original, strict=True):
+            assert torch.equal(_page(now, d, page_size), _page(then, d, page_size))

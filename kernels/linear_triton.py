@@ -52,15 +52,6 @@ MAX_ROWS = 4  # rows per program, all of a decode step's: W is read once
 # activations and the KV in L2. Measured on an H200, a bs=1 step ran 0.987x with it
 # (BENCHMARKS.md), so the default stays.
 WEIGHT_EVICTION = ""
-# L2 prefetch from the GEMV's own programs (0: off): before its PDL wait, each program
-# of the first wave asks L2 for the rows PREFETCH_WAVES later waves will read, so the
-# weight keeps streaming from HBM while the short kernels before the projection (norm,
-# attention) still run; those later waves then read L2. With PREFETCH_ALL every
-# program prefetches the rows PREFETCH_WAVES waves ahead of it, which also puts bytes
-# in flight beyond what the registers of the resident programs hold. A power of two.
-PREFETCH_WAVES = 0
-PREFETCH_ALL = False
-PREFETCH_PER_SM = 0  # resident programs per SM the waves are counted in (0: from occupancy)
 SMALL_K_TILE = (1, 4)  # (rows, warps) of a program for K <= 4096 (K in one tile)
 LONG_K_TILE = (1, 512, 4)  # (rows, BLOCK_K, warps) beyond
 
@@ -157,32 +148,6 @@ def _gemv_rows(x_ptr, res_ptr, norm_w_ptr, w, w_tile, b_ptr, y_ptr, rn, rk, n_ok
 
 
 @triton.jit
-def _prefetch_rows(w_ptr, pid, pf_programs, N, K, w_row_stride, BLOCK_N: tl.constexpr,
-                   PF_WAVES: tl.constexpr, PF_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
-                   PF_ALL: tl.constexpr):  # fmt: skip
-    """Ask L2 for the weight rows of programs pid + j * pf_programs, j = 1..PF_WAVES,
-    one prefetch per 128-byte line (PREFETCH_WAVES); only the first pf_programs
-    programs do, unless PF_ALL. Fire and forget: nothing waits on them."""
-    idx = tl.arange(0, PF_WAVES * BLOCK_N * PF_LINES)
-    line = idx % PF_LINES
-    rr = idx // PF_LINES
-    wave = rr // BLOCK_N + 1
-    row = (pid + wave * pf_programs) * BLOCK_N + rr % BLOCK_N
-    ok = (row < N) & (line * LINE_ELEMS < K)
-    if not PF_ALL:
-        ok = ok & (pid < pf_programs)
-    addr = w_ptr + row.to(tl.int64) * w_row_stride + line * LINE_ELEMS
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r",
-        [addr, ok.to(tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr,
     res_ptr,
@@ -200,7 +165,6 @@ def _gemv_kernel(
     w_row_stride,
     y_row_stride,
     eps,
-    pf_programs,
     PROLOGUE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -208,10 +172,6 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
     W_EVICT: tl.constexpr,
-    PF_WAVES: tl.constexpr = 0,
-    PF_LINES: tl.constexpr = 1,
-    LINE_ELEMS: tl.constexpr = 64,
-    PF_ALL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -221,9 +181,6 @@ def _gemv_kernel(
     m_ok = rm < M
     w_tile = w_ptr + rn.to(tl.int64)[:, None] * w_row_stride + rk[None, :]
     w = tl.load(w_tile, mask=n_ok[:, None] & (rk < K)[None, :], other=0.0, eviction_policy=W_EVICT)
-    if PF_WAVES > 0:
-        _prefetch_rows(w_ptr, pid, pf_programs, N, K, w_row_stride, BLOCK_N, PF_WAVES, PF_LINES,
-                       LINE_ELEMS, PF_ALL)  # fmt: skip
     pdl_enter(USE_PDL)
     if PROLOGUE >= _RMSNORM:  # each row's rstd, and program 0 writes the residual stream
         x_rows = x_ptr + rm[:, None] * x_row_stride
@@ -352,14 +309,7 @@ def _launch(
         return y, res_out
     block_n, block_k, warps = config or gemv_config(n, k, prologue)
     pdl = use_pdl(x) if pdl is None else pdl
-    waves = PREFETCH_WAVES if pdl else 0  # the prefetch is sm_90 PTX, as PDL is
-    line_elems = 128 // weight.element_size()
-    key = (
-        (block_n, block_k, warps, prologue, waves, PREFETCH_ALL, m, x.dtype, x.device)
-        if waves
-        else ()
-    )
-    compiled = _gemv_kernel[(triton.cdiv(n, block_n),)](
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         residual if residual is not None else x,
         norm_weight if norm_weight is not None else weight,
@@ -376,7 +326,6 @@ def _launch(
         weight.stride(0),
         y.stride(0),
         eps,
-        _resident.get(key, 0) if waves else 0,
         PROLOGUE=prologue,
         HAS_BIAS=bias is not None,
         BLOCK_M=triton.next_power_of_2(m),
@@ -384,39 +333,9 @@ def _launch(
         BLOCK_K=block_k,
         num_warps=warps,
         W_EVICT=WEIGHT_EVICTION if eviction is None else eviction,
-        PF_WAVES=waves,
-        PF_LINES=triton.next_power_of_2(triton.cdiv(k, line_elems)) if waves else 1,
-        LINE_ELEMS=line_elems,
-        PF_ALL=PREFETCH_ALL,
         **pdl_args(pdl),
     )
-    if waves and key not in _resident:  # the first launch prefetched nothing
-        _resident[key] = _resident_programs(compiled, x.device)
     return y, res_out
-
-
-_resident: dict[tuple, int] = {}  # launch constants -> programs resident at once
-
-
-def _resident_programs(compiled, device: torch.device) -> int:
-    """How many programs of `compiled` fit on the device at once (its first wave):
-    PREFETCH_PER_SM per SM, else the occupancy its registers, warps and shared memory
-    allow."""
-    props = torch.cuda.get_device_properties(device)
-    if PREFETCH_PER_SM:
-        return PREFETCH_PER_SM * props.multi_processor_count
-    if getattr(compiled, "n_regs", None) is None and hasattr(compiled, "_init_handles"):
-        compiled._init_handles()  # loaded at launch in the Triton versions seen so far
-    warps = compiled.metadata.num_warps
-    warp_regs = -(-max(compiled.n_regs, 1) * 32 // 256) * 256  # allocated per warp in 256s
-    per_sm = min(
-        getattr(props, "regs_per_multiprocessor", 65536) // (warp_regs * warps),
-        getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps),
-        32,
-        getattr(props, "shared_memory_per_multiprocessor", 228 << 10)
-        // max(compiled.metadata.shared, 1),
-    )
-    return max(per_sm, 1) * props.multi_processor_count
 
 
 def linear_gemv_triton(

@@ -48,17 +48,8 @@ def _facts(ptx: str) -> dict:
     tickets = [ln for ln in lines if "atom.global" in ln]
     pdl = [ln.split()[0].rstrip(";") for ln in lines if ln.startswith("griddepcontrol")]
     policies = sorted({ln.split()[0] for ln in lines if ln.startswith("createpolicy")})
-    # the order of weight loads, L2 prefetches and the PDL wait, each run of one kind once
-    order = []
-    for ln in lines:
-        ln = ln.split(" ", 1)[1].strip() if ln.startswith("@") and " " in ln else ln
-        kind = ("wait" if ln.startswith("griddepcontrol.wait") else
-                "prefetch" if "prefetch.global.L2" in ln else
-                "load" if ln.startswith("ld.global") else None)  # fmt: skip
-        if kind and (not order or order[-1] != kind):
-            order.append(kind)
     return {"tickets": tickets, "cg_loads": "ld.global.cg" in ptx, "pdl": pdl,
-            "policies": policies, "order": order}  # fmt: skip
+            "policies": policies}  # fmt: skip
 
 
 def _run(name: str, build) -> tuple[str, dict]:
@@ -94,8 +85,7 @@ def compile_all() -> dict[str, dict]:
         block_n, block_k, warps = lt.gemv_config(4096, k, prologue)
         # M=1 as the JIT specializes a one-row step's int argument equal to 1
         consts = dict(M=1, PROLOGUE=prologue, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=block_n,
-                      BLOCK_K=block_k, USE_PDL=True, W_EVICT="", PF_WAVES=0, PF_LINES=1,
-                      LINE_ELEMS=64, PF_ALL=False)  # fmt: skip
+                      BLOCK_K=block_k, USE_PDL=True, W_EVICT="")  # fmt: skip
         out.update([_run(f"gemv-{pname}", lambda c=consts, w=warps: _compile(
             lt._gemv_kernel, gemv_ptrs, c, num_warps=w))])  # fmt: skip
     consts = {**consts, "PROLOGUE": lt.PLAIN, "USE_PDL": 2}  # pdl.TRIGGER_FIRST
@@ -104,10 +94,6 @@ def compile_all() -> dict[str, dict]:
     consts = {**consts, "USE_PDL": True, "W_EVICT": "evict_first"}  # WEIGHT_EVICTION
     out.update([_run("gemv-evict-first", lambda c=consts: _compile(lt._gemv_kernel, gemv_ptrs,
                                                                    c))])  # fmt: skip
-    for pf_all in (False, True):  # PREFETCH_WAVES 2 at the qkv shape (64 lines a row)
-        consts = {**consts, "W_EVICT": "", "PF_WAVES": 2, "PF_LINES": 64, "PF_ALL": pf_all}
-        out.update([_run(f"gemv-prefetch-{pf_all}", lambda c=consts: _compile(
-            lt._gemv_kernel, gemv_ptrs, c))])  # fmt: skip
     block_n, block_k, warps = lt.gemv_config(28672, 4096)
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=True, W_EVICT="")
     out.update([_run("gemv-swiglu", lambda: _compile(lt._gemv_swiglu_kernel, gemv_ptrs, consts,
@@ -163,17 +149,6 @@ def test_weight_eviction_policy_reaches_the_loads(report):
     the default sets none."""
     assert report["gemv-evict-first"]["policies"] == ["createpolicy.fractional.L2::evict_first.b64"]
     assert report["gemv-PLAIN"]["policies"] == []
-
-
-@pytest.mark.parametrize("pf_all", [False, True])
-def test_gemv_prefetch_comes_before_the_pdl_wait(report, pf_all):
-    """PREFETCH_WAVES: the first weight tile's loads and the later waves' L2 prefetches
-    are issued before the kernel waits on the one before it (neither depends on it);
-    without it no prefetch is emitted."""
-    got = report[f"gemv-prefetch-{pf_all}"]
-    assert "error" not in got, got.get("error")
-    assert got["order"][:3] == ["load", "prefetch", "wait"], got["order"]
-    assert "prefetch" not in report["gemv-PLAIN"]["order"]
 
 
 def test_pdl_modes_order_wait_and_trigger(report):

@@ -260,23 +260,3 @@ def test_engine_greedy_tokens_are_the_same_with_the_swiglu_epilogue_on_gpu(tmp_p
                                 hf_cfg, tmp_path, prompts, 24, dtype=torch.bfloat16, graphs=True)  # fmt: skip
     assert runs[0].tokens == runs[1].tokens
     assert runs[0].top1 == runs[1].top1
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("waves", [1, 2, 4])
-@pytest.mark.parametrize("pf_all", [False, True])
-@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336), (128256, 4096)])
-def test_gemv_l2_prefetch_leaves_the_result_unchanged(monkeypatch, waves, pf_all, n, k):
-    """PREFETCH_WAVES only asks L2 for lines: the result is the default's bit for bit,
-    on the first launch (which learns the resident count) and on the later ones (which
-    use it), past the weight's end included."""
-    from shunter.kernels import linear_triton as lt
-
-    x, w = _randn(1, k, dtype=torch.bfloat16, seed=21), _randn(n, k, dtype=torch.bfloat16) * 0.02
-    want = linear_gemv_triton(x, w)
-    monkeypatch.setattr(lt, "PREFETCH_WAVES", waves)
-    monkeypatch.setattr(lt, "PREFETCH_ALL", pf_all)
-    for _ in range(3):
-        assert torch.equal(linear_gemv_triton(x, w), want)
-    assert any(v > 0 for v in lt._resident.values())

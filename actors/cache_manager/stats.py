@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from shunter.actors.cache_manager.allocator import FREE, OUT, TREE
+from shunter.actors.cache_manager.allocator import FREE, TREE
 from shunter.bus.messages import CacheStats
 
 if TYPE_CHECKING:
@@ -57,13 +57,7 @@ def cache_stats(ledger: PageLedger, host: HostTier | None, num_queried: int, num
                 num_evicted: int) -> CacheStats:  # fmt: skip
     """The core's figures for /metrics (bus/messages/cache.py CacheStats)."""
     counts = ledger.counts
-    tier: dict[str, int] = {}
-    if host is not None:
-        c = host.ledger.counts
-        tier = dict(num_host_pages=host.ledger.num_pages, num_host_free=c[FREE],
-                    num_host_in_tree=c[TREE], num_host_writing=c[OUT],
-                    num_host_hit_tokens=host.num_host_hit, num_spilled_pages=host.num_spilled,
-                    num_loaded_pages=host.num_loaded, num_copies_failed=host.num_failed)  # fmt: skip
+    tier = host.counters() if host is not None else {}
     return CacheStats(
         num_pages=ledger.num_pages, num_free=counts[FREE], num_in_tree=counts[TREE],
         num_queried_tokens=num_queried, num_hit_tokens=num_hit, num_evicted_pages=num_evicted,

@@ -67,14 +67,12 @@ from shunter.actors.cache_manager.allocator import ASIDE, FREE, OUT, TREE, PageL
 from shunter.actors.cache_manager.config import SELECTIVE_HITS, CacheConfig
 from shunter.actors.cache_manager.host_tier import HostTier
 from shunter.actors.cache_manager.radix import EvictedBlock, Node, RadixTree
-from shunter.actors.cache_manager.stats import CacheStatistics, cache_stats
+from shunter.actors.cache_manager.stats import CacheStatistics, cache_stats, device_census, refusal
 from shunter.bus.messages import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     CacheStats,
-    Census,
-    CensusBroken,
     ChunkCached,
     DropTree,
     FreeRefused,
@@ -341,13 +339,7 @@ class CacheManagerCore:
 
     def _refuse(self, bad: list[tuple[int, str]], claimed_by: str) -> FreeRefused:
         self._num_refused += 1
-        groups: dict[str, list[int]] = {}
-        for p, why in bad:
-            groups.setdefault(why, []).append(p)
-        reason = "; ".join(
-            f"{why}: {ps[:8]}{'...' if len(ps) > 8 else ''}" for why, ps in groups.items()
-        )
-        return FreeRefused([p for p, _ in bad], claimed_by, reason)
+        return refusal(bad, claimed_by)
 
     def _unknown(self, rid: str, pages: list[int]) -> FreeRefused:
         self._num_refused += 1
@@ -471,27 +463,8 @@ class CacheManagerCore:
         flights = self._leases_in_flight
         for seq in [s for s in flights if s <= msg.last_lease_seq]:
             del flights[seq]
-        counts = self.ledger.counts
-        assert counts[TREE] == self.tree.num_pages, (counts, self.tree.num_pages)
-        in_flight = sum(flights.values())
-        total = self.ledger.num_pages
-        leased_unused = msg.num_leased_unused + in_flight
-        held = msg.num_held_by_requests + counts[ASIDE]
-        counted = counts[FREE] + leased_unused + held + counts[TREE]
-        ok = counted == total
-        out: list[Msg] = [
-            Census(
-                msg.step_id, "device", total, counts[FREE], leased_unused, held, counts[TREE], ok
-            )
-        ]
-        if not ok:
-            self._num_broken += 1
-            detail = (
-                f"{counts[OUT]} pages are leased out by the ledger; the scheduler reports "
-                f"{msg.num_leased_unused} leased unused + {msg.num_held_by_requests} held "
-                f"(+ {in_flight} granted after lease {msg.last_lease_seq})"
-            )
-            out.append(CensusBroken(msg.step_id, "device", counted - total, detail))
+        out = device_census(self.ledger, self.tree.num_pages, msg, sum(flights.values()))
+        self._num_broken += len(out) - 1
         if self.host is not None:
             host_census = self.host.census(msg.step_id, self.tree)
             self._num_broken += len(host_census) - 1

@@ -1,5 +1,6 @@
 """Cache manager statistics: the frozen record `CacheManagerCore.statistics()` returns,
-and `cache_stats`, the figures it sends for /metrics on each Tick."""
+`cache_stats`, the figures it sends for /metrics on each Tick, and the checks' reports:
+the device tier's census and a refused free's reason."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from shunter.actors.cache_manager.allocator import FREE, TREE
-from shunter.bus.messages import CacheStats
+from shunter.actors.cache_manager.allocator import ASIDE, FREE, OUT, TREE
+from shunter.bus.messages import CacheStats, Census, CensusBroken, FreeRefused, SchedulerCensus
 
 if TYPE_CHECKING:
     from shunter.actors.cache_manager.allocator import PageLedger
@@ -63,3 +64,39 @@ def cache_stats(ledger: PageLedger, host: HostTier | None, num_queried: int, num
         num_queried_tokens=num_queried, num_hit_tokens=num_hit, num_evicted_pages=num_evicted,
         **tier,
     )  # fmt: skip
+
+
+def device_census(ledger: PageLedger, num_tree_pages: int, msg: SchedulerCensus,
+                  in_flight: int) -> list[Census | CensusBroken]:  # fmt: skip
+    """The device tier's Census for the scheduler's count `msg`, and a CensusBroken when
+    free + leased unused + held + in the tree is not every page. `in_flight`: pages of
+    grants the scheduler had not seen when it counted."""
+    counts = ledger.counts
+    assert counts[TREE] == num_tree_pages, (counts, num_tree_pages)
+    total = ledger.num_pages
+    leased_unused = msg.num_leased_unused + in_flight
+    held = msg.num_held_by_requests + counts[ASIDE]
+    counted = counts[FREE] + leased_unused + held + counts[TREE]
+    ok = counted == total
+    out: list[Census | CensusBroken] = [
+        Census(msg.step_id, "device", total, counts[FREE], leased_unused, held, counts[TREE], ok)
+    ]
+    if not ok:
+        detail = (
+            f"{counts[OUT]} pages are leased out by the ledger; the scheduler reports "
+            f"{msg.num_leased_unused} leased unused + {msg.num_held_by_requests} held "
+            f"(+ {in_flight} granted after lease {msg.last_lease_seq})"
+        )
+        out.append(CensusBroken(msg.step_id, "device", counted - total, detail))
+    return out
+
+
+def refusal(bad: list[tuple[int, str]], claimed_by: str) -> FreeRefused:
+    """FreeRefused for (page, why) pairs: the reasons grouped, a few pages named each."""
+    groups: dict[str, list[int]] = {}
+    for p, why in bad:
+        groups.setdefault(why, []).append(p)
+    reason = "; ".join(
+        f"{why}: {ps[:8]}{'...' if len(ps) > 8 else ''}" for why, ps in groups.items()
+    )
+    return FreeRefused([p for p, _ in bad], claimed_by, reason)

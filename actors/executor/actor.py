@@ -30,10 +30,12 @@ ReleaseMemory and ResumeMemory come the same way and give up or take back the de
 memory of the weights, the KV cache and the decode graphs (memory.py); MemoryState
 says what is released now. WeightsQuery (/get_weights_by_name) is answered between
 batches with the first rows of a weight, named as in HF checkpoints. SpillPages and
-LoadPages (the cache manager's host KV tier) are copied between batches in a worker
-thread (`ExecutorCore.copy`) without flushing the step in flight: on CUDA the copies
-share the forwards' stream, on the CPU a forward is done when submit returns; each is
-answered (PagesSpilled / PagesLoaded) before the next message is taken. ProfileStart and
+LoadPages (the cache manager's host KV tier) are started between batches in a worker
+thread (`ExecutorCore.copy`) without flushing the step in flight: on CUDA a load shares
+the forwards' stream and a spill runs on a copy stream behind them, on the CPU a
+forward is done when submit returns. A load (and any copy on the CPU) is answered
+(PagesLoaded / PagesSpilled) before the next message is taken; a spill on CUDA once its
+copy has finished, which the loop also waits for beside the next message. ProfileStart and
 ProfileStop (the gateway's /start_profile, /stop_profile) start and end a
 torch.profiler session between batches (profiling.py); a session asked for a number
 of steps ends by itself once that many results are published.
@@ -69,6 +71,8 @@ from shunter.bus.messages import (
     ForwardBatch,
     LoadPages,
     MemoryState,
+    PagesLoaded,
+    PagesSpilled,
     ProfileStart,
     ProfileStop,
     Ready,
@@ -126,9 +130,10 @@ async def _serve(core: ExecutorCore, config: ExecutorConfig, sub: Subscription, 
     """submit every batch; flush whenever no next batch is already waiting, and before
     a submit when the step in flight is already done (always on a CPU, where a forward
     runs inside submit: holding its result through the next forward would only delay
-    it by a step). A flip's message (FLIPS) comes between batches: what is in flight is
-    flushed first. Weight queries, profile controls and page copies are answered as they
-    come."""
+    it by a step). A flip's message (FLIPS) comes between batches: what is in flight,
+    the step and the spills, is finished first. Weight queries, profile controls and
+    page copies are answered as they come; a spill still running on the device is
+    answered once it has finished, whatever the loop is waiting for then."""
     submitted: deque[int] = deque()  # perf_counter_ns at the submit of each unanswered step
     prof = Profiler(config.actor_id, core.runner.device)
     memory = DeviceMemory(core)
@@ -138,6 +143,7 @@ async def _serve(core: ExecutorCore, config: ExecutorConfig, sub: Subscription, 
         if isinstance(batch, FLIPS):
             if submitted:
                 await out.publish(await anyio.to_thread.run_sync(core.flush))
+            await _publish_copies(bus, await anyio.to_thread.run_sync(core.spills_done, True))
             await bus.publish(await anyio.to_thread.run_sync(_flip, core, config, memory, batch))
         elif isinstance(batch, ProfileStart | ProfileStop):
             await bus.publish(await anyio.to_thread.run_sync(prof.handle, batch))
@@ -145,21 +151,28 @@ async def _serve(core: ExecutorCore, config: ExecutorConfig, sub: Subscription, 
             await bus.publish(await anyio.to_thread.run_sync(_weights, core, memory, batch))
         elif isinstance(batch, SpillPages | LoadPages):
             reply = await anyio.to_thread.run_sync(core.copy, batch)
-            if not reply.ok:
-                log.warning("page copy failed", copy_id=reply.copy_id, error=reply.error)
-            await bus.publish(reply)
+            await _publish_copies(bus, [] if reply is None else [reply])
         else:
             if submitted and core.step_ready():
                 await out.publish(await anyio.to_thread.run_sync(core.flush))
             submitted.append(time.perf_counter_ns())
             await out.publish(await anyio.to_thread.run_sync(core.submit, batch))
-        if not submitted:
-            batch = await _receive(sub)
-            continue
-        batch = _receive_nowait(sub) or await _receive_unless_ready(core, sub)
-        if batch is None:
-            await out.publish(await anyio.to_thread.run_sync(core.flush))
-            batch = await _receive(sub)
+        batch = _WOKE
+        while batch is _WOKE:  # until a message comes (or the subscription closes)
+            await _publish_copies(bus, core.spills_done())
+            if not submitted:
+                batch = await _receive_unless_done(core, sub, step=False)
+                continue
+            batch = _receive_nowait(sub) or await _receive_unless_done(core, sub, step=True)
+            if batch is _WOKE and core.step_ready():
+                await out.publish(await anyio.to_thread.run_sync(core.flush))
+
+
+async def _publish_copies(bus: Bus, replies: list[PagesSpilled | PagesLoaded]) -> None:
+    for reply in replies:
+        if not reply.ok:
+            log.warning("page copy failed", copy_id=reply.copy_id, error=reply.error)
+        await bus.publish(reply)
 
 
 def _flip(core: ExecutorCore, config: ExecutorConfig, memory: DeviceMemory,
@@ -205,28 +218,40 @@ def _update(core: ExecutorCore, config: ExecutorConfig, msg: UpdateWeights) -> W
     return WeightsUpdated(msg.flip_id, True, what)
 
 
-async def _receive_unless_ready(core: ExecutorCore, sub: Subscription) -> Inbound | None:
-    """The next batch if it arrives before the step in flight is done on the device,
-    else None (also once the subscription is closed). Receiving is cancellation-safe
-    (a message being handed over when the race ends stays queued)."""
-    if core.step_ready():
-        return None
+_WOKE = object()  # what _receive_unless_done returns when the device finished something
+
+
+async def _receive_unless_done(core: ExecutorCore, sub: Subscription, *, step: bool):
+    """The next message (None once the subscription is closed), unless first the step
+    in flight (with `step`) or the oldest spill finishes on the device: then _WOKE.
+    Receiving is cancellation-safe (a message being handed over when the race ends
+    stays queued)."""
+    waits = []
+    if step:
+        if core.step_ready():
+            return _WOKE
+        waits.append(core.wait_step_ready)
+    if (spill := core.spill_waiter()) is not None:
+        waits.append(spill)
+    if not waits:
+        return await _receive(sub)
     got: list[Inbound | None] = []
     async with anyio.create_task_group() as tg:
 
-        async def ready() -> None:
-            # A device error is the step's: flush reports it in its StepResult.
+        async def done(wait) -> None:
+            # A device error is the step's or the spill's: flush or spills_done reports it.
             with contextlib.suppress(Exception):
-                await anyio.to_thread.run_sync(core.wait_step_ready, abandon_on_cancel=True)
+                await anyio.to_thread.run_sync(wait, abandon_on_cancel=True)
             tg.cancel_scope.cancel()
 
         async def arrives() -> None:
             got.append(await _receive(sub))
             tg.cancel_scope.cancel()
 
-        tg.start_soon(ready)
+        for wait in waits:
+            tg.start_soon(done, wait)
         tg.start_soon(arrives)
-    return got[0] if got else None
+    return got[0] if got else _WOKE
 
 
 async def _receive(sub: Subscription) -> Inbound | None:

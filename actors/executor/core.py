@@ -39,7 +39,9 @@ in flight; `step(batch)` is submit then flush; `handle` calls `step`.
 
 `copy(msg)` runs a SpillPages or LoadPages between batches through the host pool
 (host_pool.py; None when the host KV tier is off) and answers it; on CUDA the copy is
-stream-ordered with the forwards, so no step in flight needs finishing first.
+stream-ordered with the forwards, so no step in flight needs finishing first. A spill
+on CUDA is answered later: its reply waits in `_spills` until its copy stream gets
+there, and `spills_done()` hands the finished ones out, oldest first.
 
 Row tables (row_tables.py): every row's page ids and the KV slot of every token
 position; each entry's slot table handed to the runner is a view of a row, so a
@@ -60,6 +62,7 @@ Invariants
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -165,6 +168,8 @@ class ExecutorCore:
         device = torch.device(getattr(runner, "device", "cpu"))
         self._last_tokens = torch.zeros(max_num_rows, dtype=torch.int64, device=device)
         self._inflight: _InFlight | None = None
+        # spills whose copies run on the device, oldest first: (done event, their reply)
+        self._spills: deque[tuple[torch.cuda.Event, PagesSpilled]] = deque()
         self._last_error: str | None = None
         self.reset_statistics()
 
@@ -209,21 +214,45 @@ class ExecutorCore:
         prev, self._inflight = self._inflight, None
         return [] if prev is None else [self._finish(prev)]
 
-    def copy(self, msg: SpillPages | LoadPages) -> PagesSpilled | PagesLoaded:
-        """Run a spill or load (host_pool.py) and answer it; never raises: a refused or
+    def copy(self, msg: SpillPages | LoadPages) -> PagesSpilled | PagesLoaded | None:
+        """Run a spill or load (host_pool.py) and answer it, or None for a spill still
+        running on the device (spills_done() answers it); never raises: a refused or
         failed copy is answered with ok=False and why."""
         reply = PagesSpilled if isinstance(msg, SpillPages) else PagesLoaded
         try:
             if self.host_pool is None:
                 raise ValueError("the host KV tier is off")
             if isinstance(msg, SpillPages):
-                self.host_pool.spill(self.runner.kv_pool, msg.device_pages, msg.host_pages)
+                pool, pages = self.runner.kv_pool, msg.device_pages
+                if (done := self.host_pool.spill(pool, pages, msg.host_pages)) is not None:
+                    self._spills.append((done, reply(msg.copy_id, msg.keys)))
+                    return None
             else:
                 self.host_pool.load(self.runner.kv_pool, msg.host_pages, msg.device_pages)
         except Exception as e:
-            error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-            return reply(msg.copy_id, msg.keys, ok=False, error=error)
+            return reply(msg.copy_id, msg.keys, ok=False, error=_why(e))
         return reply(msg.copy_id, msg.keys)
+
+    def spills_done(self, wait: bool = False) -> list[PagesSpilled]:
+        """The replies of the spills whose copies have finished, oldest first (with
+        `wait`: of every spill, blocking until they have)."""
+        out = []
+        while self._spills:
+            done, reply = self._spills[0]
+            try:
+                if not wait and not done.query():
+                    break
+                done.synchronize()
+            except Exception as e:  # a device error ends the copy: its pages are not kept
+                reply = msgspec.structs.replace(reply, ok=False, error=_why(e))
+            self._spills.popleft()
+            out.append(reply)
+        return out
+
+    def spill_waiter(self) -> Callable[[], None] | None:
+        """A call that blocks until the oldest spill in flight has finished (to run in
+        another thread; it changes nothing), or None when none is in flight."""
+        return self._spills[0][0].synchronize if self._spills else None
 
     def step_ready(self) -> bool:
         """Whether flush() would return without waiting for the device."""
@@ -455,3 +484,8 @@ class ExecutorCore:
             prompt_logprobs=prompt_logprobs,
             prompt_top_logprobs=prompt_top,
         )
+
+
+def _why(e: Exception) -> str:
+    """A copy's failure as its reply says it: a refusal's own words, else the type too."""
+    return str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"

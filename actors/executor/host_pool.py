@@ -16,11 +16,17 @@ the host side a chunk whose host pages form long runs of consecutive pages (at l
 _MIN_RUN_BYTES of K per layer and run, on average) moves each run as one slice per
 layer, straight between the host pool and a device-side block: no host-side gather or
 scatter, which on a GPU costs more than the PCIe copy. A scattered chunk is gathered
-or scattered on the host by index instead, through pinned staging. Everything is
-queued on the current stream, the one the forwards run on: a load is queued before
-any later forward (the host never waits for it), and a spill's copies are queued after
-every earlier forward and synchronized before `spill` returns, so its host pages are
-readable once it does. On a CPU the same paths run as plain tensor ops.
+or scattered on the host by index instead, through pinned staging.
+
+On CUDA a load is queued on the current stream, the one the forwards run on, so it is
+ordered before any later forward (the host never waits for it). A spill is queued on a
+copy stream of its own that first waits for every forward queued so far (they wrote
+the pages it reads): its PCIe copies overlap the forwards after it, and `spill`
+returns an event that completes once its host pages are readable. Its device pages are
+the prefix tree's, which nothing writes, and the cache manager keeps them (and the
+host pages, until answered) while the copy is in flight. Only a scattered chunk's
+host-side scatter waits on the host for the copy stream. On a CPU the copies are done
+when the call returns.
 
 Invariants: a refused copy (ValueError: length mismatch, a page out of range, a
 destination page named twice, the device pool released or of another layout) changes
@@ -97,13 +103,32 @@ class HostKVPool:
         self.v_all = torch.empty(shape, dtype=self.dtype)
         self.pinned = like.device.type == "cuda" and _pin(self, [self.k_all, self.v_all])
         self._num_spilled = self._num_loaded = 0
+        self._stream: torch.cuda.Stream | None = None  # spills' copies (CUDA)
 
-    def spill(self, pool: KVPool, device_pages: list[int], host_pages: list[int]) -> None:
-        """Copy `device_pages[i]` of `pool` into `host_pages[i]`, all layers, K and V;
-        done (the host pages readable) when it returns."""
+    def spill(self, pool: KVPool, device_pages: list[int],
+              host_pages: list[int]) -> torch.cuda.Event | None:  # fmt: skip
+        """Copy `device_pages[i]` of `pool` into `host_pages[i]`, all layers, K and V. On
+        CUDA the copies are queued on the pool's copy stream behind every forward queued
+        so far, and the returned event completes once the host pages are readable (the
+        forwards go on meanwhile); elsewhere the copy is done when it returns (None)."""
         self._check(pool, device_pages, host_pages, "device", pool.num_pages, "host",
                     self.num_pages)  # fmt: skip
-        cuda = pool.device.type == "cuda"
+        done = None
+        if pool.device.type != "cuda":
+            self._spill(pool, device_pages, host_pages, cuda=False)
+        else:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(pool.device)
+            self._stream.wait_stream(torch.cuda.current_stream(pool.device))
+            with torch.cuda.stream(self._stream):  # its temporaries belong to this stream
+                self._spill(pool, device_pages, host_pages, cuda=True)
+                done = torch.cuda.Event()
+                done.record(self._stream)
+        self._num_spilled += len(device_pages)
+        return done
+
+    def _spill(self, pool: KVPool, device_pages: list[int], host_pages: list[int],
+               cuda: bool) -> None:  # fmt: skip
         for part in self._parts(host_pages, device_pages, pool.device):
             for h, d in ((self.k_all, pool.k_all), (self.v_all, pool.v_all)):
                 block = d.index_select(1, part.device_slots)  # [L, n, H, D], host order
@@ -111,15 +136,12 @@ class HostKVPool:
                     for first, at, count in part.runs:
                         _copy_slice(h, first, block, at, count, cuda)
                     continue
-                if cuda:  # to pinned staging; the stream reaches it after the forwards
+                if cuda:  # to pinned staging, read once the copy stream got there
                     staged = self._staging(block.shape)
                     staged.copy_(block, non_blocking=True)
                     torch.cuda.current_stream(pool.device).synchronize()
                     block = staged
                 h.index_copy_(1, part.host_slots, block)
-        if cuda:
-            torch.cuda.current_stream(pool.device).synchronize()
-        self._num_spilled += len(device_pages)
 
     def load(self, pool: KVPool, host_pages: list[int], device_pages: list[int]) -> None:
         """Copy `host_pages[i]` into `device_pages[i]` of `pool`, all layers, K and V. On

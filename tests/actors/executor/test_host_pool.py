@@ -6,6 +6,7 @@ SpillPages / LoadPages in order on the in-process bus."""
 from __future__ import annotations
 
 import json
+import threading
 
 import anyio
 import msgspec
@@ -22,9 +23,11 @@ from shunter.bus.inproc import InProcHub
 from shunter.bus.messages import (
     ForwardBatch,
     LoadPages,
+    MemoryState,
     PagesLoaded,
     PagesSpilled,
     Ready,
+    ReleaseMemory,
     RowOpen,
     SamplingParams,
     SpillPages,
@@ -369,14 +372,81 @@ async def test_actor_answers_copies_in_order_between_batches(config):
     assert steps[1].token_ids == steps[0].token_ids
 
 
+class _HeldCopy:
+    """Stands in for a spill's CUDA event, which a CPU has none of: the copy is done
+    (it already is) when the test says so."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+
+    def release(self) -> None:
+        self._done.set()
+
+
+@pytest.mark.anyio
+async def test_actor_answers_a_spill_once_its_copy_is_done_and_finishes_it_before_a_flip(
+    config, monkeypatch
+):
+    """A spill still running on the device does not hold the loop: later steps are
+    answered first, and its reply comes once its copy is done, whether the loop waits
+    for a message then or not; a flip waits for it."""
+    held: list[_HeldCopy] = []
+    spill = HostKVPool.spill
+
+    def spill_held(self, pool, device_pages, host_pages):
+        assert spill(self, pool, device_pages, host_pages) is None  # done on the CPU
+        held.append(_HeldCopy())
+        return held[-1]
+
+    monkeypatch.setattr(HostKVPool, "spill", spill_held)
+    hub = InProcHub()
+    exec_bus, cm_bus = hub.connect("executor.0"), hub.connect("cache_manager")
+    async with anyio.create_task_group() as tg:
+        async with cm_bus.subscribe("spill.done", "sched.result", "health.ready",
+                                    "flip.memory") as sub:  # fmt: skip
+
+            async def next_msg():
+                return (await sub.receive()).msg
+
+            tg.start_soon(run, config, exec_bus)
+            with anyio.fail_after(60):
+                assert isinstance(await next_msg(), Ready)
+                for m in (_prefill(0, 0, [5, 9, 2]), SpillPages(1, [11], [5], [100]),
+                          _prefill(1, 1, [6, 10, 3])):  # fmt: skip
+                    await cm_bus.publish(m)
+                steps = [await next_msg(), await next_msg()]
+                assert [(type(m), m.step_id) for m in steps] == [(StepResult, 0), (StepResult, 1)]
+                with anyio.move_on_after(0.3):
+                    pytest.fail(f"answered before its copy was done: {await next_msg()}")
+                held[0].release()  # the loop is idle, waiting for a message
+                assert await next_msg() == PagesSpilled(1, [11], ok=True)
+
+                await cm_bus.publish(SpillPages(2, [12], [9], [101]))
+                await cm_bus.publish(ReleaseMemory("f1", ["kv_cache"]))
+                with anyio.move_on_after(0.3):
+                    pytest.fail(f"the flip went ahead of the spill: {await next_msg()}")
+                held[1].release()
+                assert await next_msg() == PagesSpilled(2, [12], ok=True)
+                state = await next_msg()
+                assert isinstance(state, MemoryState) and state.ok
+        tg.cancel_scope.cancel()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("min_run_bytes", [0, 1 << 40])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_cuda_copies_match_plain_indexing(min_run_bytes, page_size, monkeypatch):
-    """On a GPU, bf16, at the 8B model's KV head shape: a spill (readable when it returns)
-    and a load (queued; read after a synchronize) in both host paths, over runs split by
-    small chunks, equal a page-by-page copy; the host pool is page-locked."""
+    """On a GPU, bf16, at the 8B model's KV head shape: a spill (on its copy stream,
+    readable once its event is done, behind a forward's write queued before it) and a load
+    (queued; read after a synchronize) in both host paths, over runs split by small
+    chunks, equal a page-by-page copy; the host pool is page-locked."""
     monkeypatch.setattr(host_pool_module, "_MIN_RUN_BYTES", min_run_bytes)
     monkeypatch.setattr(host_pool_module, "_CHUNK_BYTES", 1 << 20)
     cfg = ModelConfig(family="llama", vocab_size=32, hidden_size=1024, intermediate_size=32,
@@ -390,7 +460,10 @@ def test_cuda_copies_match_plain_indexing(min_run_bytes, page_size, monkeypatch)
     device_pages = torch.randperm(96, generator=g)[:80].tolist()
     host_pages = list(range(100, 128)) + list(range(40, 0, -1)) + [60, 62, 64, 66, 68, 70, 72,
                                                                    74, 76, 78, 80, 82]  # fmt: skip
-    host.spill(pool, device_pages, host_pages)
+    torch.cuda._sleep(50_000_000)  # a long kernel, then a write the spill must see
+    pool.k_all.mul_(2)
+    done = host.spill(pool, device_pages, host_pages)
+    done.synchronize()
     for d, h in zip(device_pages, host_pages, strict=True):
         for src, dst in ((pool.k_all, host.k_all), (pool.v_all, host.v_all)):
             assert torch.equal(_page(src, d, page_size).cpu(), _page(dst, h, page_size))

@@ -314,6 +314,26 @@ def test_core_copy_restores_a_prefix_that_decodes_as_before(config):
     assert lost.logprobs != pytest.approx(first.logprobs, abs=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_core_spill_is_answered_when_done_and_the_prefix_decodes_as_before(config):
+    """On a GPU the spill comes back as None from copy() and is answered by
+    spills_done() once its copy stream got there; the reloaded prefix decodes the same."""
+    core = build_core(msgspec.structs.replace(config, device="cuda"))
+    assert core.host_pool is not None and core.host_pool.pinned
+    first = core.step(_prefill(0, 0, [5, 9, 2]))
+    assert core.copy(SpillPages(1, [11, 12, 13], [5, 9, 2], [100, 3, 64])) is None
+    assert core.spills_done(wait=True) == [PagesSpilled(1, [11, 12, 13], ok=True)]
+    assert core.spill_waiter() is None and core.spills_done() == []
+    pool = core.runner.kv_pool
+    pool.k_all.zero_(), pool.v_all.zero_()
+    got = core.copy(LoadPages(2, [11, 12, 13], [100, 3, 64], [40, 13, 27]))
+    assert got == PagesLoaded(2, [11, 12, 13], ok=True)
+    again = core.step(_on_prefix(1, 1, [40, 13, 27]))
+    assert again.token_ids == first.token_ids
+    assert again.logprobs == pytest.approx(first.logprobs, abs=1e-3)
+
+
 def test_core_copy_answers_failures_with_ok_false(config):
     core = build_core(config)
     bad = core.copy(LoadPages(7, [1], [0], [64]))

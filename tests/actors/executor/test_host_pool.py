@@ -319,7 +319,11 @@ def test_core_copy_restores_a_prefix_that_decodes_as_before(config):
 def test_cuda_core_spill_is_answered_when_done_and_the_prefix_decodes_as_before(config):
     """On a GPU the spill comes back as None from copy() and is answered by
     spills_done() once its copy stream got there; the reloaded prefix decodes the same."""
-    core = build_core(msgspec.structs.replace(config, device="cuda"))
+    core = build_core(
+        msgspec.structs.replace(
+            config, device="cuda", attention_backend="triton", skip_server_warmup=True
+        )
+    )
     assert core.host_pool is not None and core.host_pool.pinned
     first = core.step(_prefill(0, 0, [5, 9, 2]))
     assert core.copy(SpillPages(1, [11, 12, 13], [5, 9, 2], [100, 3, 64])) is None

@@ -31,11 +31,11 @@ memory of the weights, the KV cache and the decode graphs (memory.py); MemorySta
 says what is released now. WeightsQuery (/get_weights_by_name) is answered between
 batches with the first rows of a weight, named as in HF checkpoints. SpillPages and
 LoadPages (the cache manager's host KV tier) are started between batches in a worker
-thread (`ExecutorCore.copy`) without flushing the step in flight: on CUDA a load shares
-the forwards' stream and a spill runs on a copy stream behind them, on the CPU a
-forward is done when submit returns. A load (and any copy on the CPU) is answered
-(PagesLoaded / PagesSpilled) before the next message is taken; a spill on CUDA once its
-copy has finished, which the loop also waits for beside the next message. ProfileStart and
+thread (`ExecutorCore.copy`) without flushing the step in flight: on CUDA they run on
+copy streams behind the forwards queued so far, on the CPU a forward is done when
+submit returns. A copy is answered (PagesSpilled / PagesLoaded) once it has finished:
+on the CPU before the next message is taken, on CUDA when its event completes, which
+the loop waits for beside the next message and the step in flight. ProfileStart and
 ProfileStop (the gateway's /start_profile, /stop_profile) start and end a
 torch.profiler session between batches (profiling.py); a session asked for a number
 of steps ends by itself once that many results are published.
@@ -131,9 +131,9 @@ async def _serve(core: ExecutorCore, config: ExecutorConfig, sub: Subscription, 
     a submit when the step in flight is already done (always on a CPU, where a forward
     runs inside submit: holding its result through the next forward would only delay
     it by a step). A flip's message (FLIPS) comes between batches: what is in flight,
-    the step and the spills, is finished first. Weight queries, profile controls and
-    page copies are answered as they come; a spill still running on the device is
-    answered once it has finished, whatever the loop is waiting for then."""
+    the step and the page copies, is finished first. Weight queries and profile controls
+    are answered as they come; a page copy once it has finished on the device, whatever
+    the loop is waiting for then."""
     submitted: deque[int] = deque()  # perf_counter_ns at the submit of each unanswered step
     prof = Profiler(config.actor_id, core.runner.device)
     memory = DeviceMemory(core)
@@ -143,7 +143,7 @@ async def _serve(core: ExecutorCore, config: ExecutorConfig, sub: Subscription, 
         if isinstance(batch, FLIPS):
             if submitted:
                 await out.publish(await anyio.to_thread.run_sync(core.flush))
-            await _publish_copies(bus, await anyio.to_thread.run_sync(core.spills_done, True))
+            await _publish_copies(bus, await anyio.to_thread.run_sync(core.copies_done, True))
             await bus.publish(await anyio.to_thread.run_sync(_flip, core, config, memory, batch))
         elif isinstance(batch, ProfileStart | ProfileStop):
             await bus.publish(await anyio.to_thread.run_sync(prof.handle, batch))
@@ -159,7 +159,7 @@ async def _serve(core: ExecutorCore, config: ExecutorConfig, sub: Subscription, 
             await out.publish(await anyio.to_thread.run_sync(core.submit, batch))
         batch = _WOKE
         while batch is _WOKE:  # until a message comes (or the subscription closes)
-            await _publish_copies(bus, core.spills_done())
+            await _publish_copies(bus, core.copies_done())
             if not submitted:
                 batch = await _receive_unless_done(core, sub, step=False)
                 continue
@@ -223,7 +223,7 @@ _WOKE = object()  # what _receive_unless_done returns when the device finished s
 
 async def _receive_unless_done(core: ExecutorCore, sub: Subscription, *, step: bool):
     """The next message (None once the subscription is closed), unless first the step
-    in flight (with `step`) or the oldest spill finishes on the device: then _WOKE.
+    in flight (with `step`) or a page copy finishes on the device: then _WOKE.
     Receiving is cancellation-safe (a message being handed over when the race ends
     stays queued)."""
     waits = []
@@ -231,15 +231,14 @@ async def _receive_unless_done(core: ExecutorCore, sub: Subscription, *, step: b
         if core.step_ready():
             return _WOKE
         waits.append(core.wait_step_ready)
-    if (spill := core.spill_waiter()) is not None:
-        waits.append(spill)
+    waits += core.copy_waiters()
     if not waits:
         return await _receive(sub)
     got: list[Inbound | None] = []
     async with anyio.create_task_group() as tg:
 
         async def done(wait) -> None:
-            # A device error is the step's or the spill's: flush or spills_done reports it.
+            # A device error is the step's or the copy's: flush or copies_done reports it.
             with contextlib.suppress(Exception):
                 await anyio.to_thread.run_sync(wait, abandon_on_cancel=True)
             tg.cancel_scope.cancel()

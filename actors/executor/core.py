@@ -39,9 +39,9 @@ in flight; `step(batch)` is submit then flush; `handle` calls `step`.
 
 `copy(msg)` runs a SpillPages or LoadPages between batches through the host pool
 (host_pool.py; None when the host KV tier is off) and answers it; on CUDA the copy is
-stream-ordered with the forwards, so no step in flight needs finishing first. A spill
-on CUDA is answered later: its reply waits in `_spills` until its copy stream gets
-there, and `spills_done()` hands the finished ones out, oldest first.
+queued behind the forwards on a copy stream, so no step in flight needs finishing
+first, and it is answered later: its reply waits in `_copies` until the copy has
+landed, and `copies_done()` hands the finished ones out, oldest first.
 
 Row tables (row_tables.py): every row's page ids and the KV slot of every token
 position; each entry's slot table handed to the runner is a view of a row, so a
@@ -168,8 +168,8 @@ class ExecutorCore:
         device = torch.device(getattr(runner, "device", "cpu"))
         self._last_tokens = torch.zeros(max_num_rows, dtype=torch.int64, device=device)
         self._inflight: _InFlight | None = None
-        # spills whose copies run on the device, oldest first: (done event, their reply)
-        self._spills: deque[tuple[torch.cuda.Event, PagesSpilled]] = deque()
+        # copies running on the device, oldest first: (done event, their reply)
+        self._copies: deque[tuple[torch.cuda.Event, PagesSpilled | PagesLoaded]] = deque()
         self._last_error: str | None = None
         self.reset_statistics()
 
@@ -215,44 +215,50 @@ class ExecutorCore:
         return [] if prev is None else [self._finish(prev)]
 
     def copy(self, msg: SpillPages | LoadPages) -> PagesSpilled | PagesLoaded | None:
-        """Run a spill or load (host_pool.py) and answer it, or None for a spill still
-        running on the device (spills_done() answers it); never raises: a refused or
+        """Run a spill or load (host_pool.py) and answer it, or None for a copy still
+        running on the device (copies_done() answers it); never raises: a refused or
         failed copy is answered with ok=False and why."""
         reply = PagesSpilled if isinstance(msg, SpillPages) else PagesLoaded
         try:
             if self.host_pool is None:
                 raise ValueError("the host KV tier is off")
+            pool = self.runner.kv_pool
             if isinstance(msg, SpillPages):
-                pool, pages = self.runner.kv_pool, msg.device_pages
-                if (done := self.host_pool.spill(pool, pages, msg.host_pages)) is not None:
-                    self._spills.append((done, reply(msg.copy_id, msg.keys)))
-                    return None
+                done = self.host_pool.spill(pool, msg.device_pages, msg.host_pages)
             else:
-                self.host_pool.load(self.runner.kv_pool, msg.host_pages, msg.device_pages)
+                done = self.host_pool.load(pool, msg.host_pages, msg.device_pages)
         except Exception as e:
             return reply(msg.copy_id, msg.keys, ok=False, error=_why(e))
-        return reply(msg.copy_id, msg.keys)
+        if done is None:
+            return reply(msg.copy_id, msg.keys)
+        self._copies.append((done, reply(msg.copy_id, msg.keys)))
+        return None
 
-    def spills_done(self, wait: bool = False) -> list[PagesSpilled]:
-        """The replies of the spills whose copies have finished, oldest first (with
-        `wait`: of every spill, blocking until they have)."""
-        out = []
-        while self._spills:
-            done, reply = self._spills[0]
+    def copies_done(self, wait: bool = False) -> list[PagesSpilled | PagesLoaded]:
+        """The replies of the copies that have finished on the device, oldest first
+        (with `wait`: of every copy, blocking until they have). A load does not wait for
+        an older spill: each direction has its own stream."""
+        out, running = [], deque()
+        for done, reply in self._copies:
             try:
                 if not wait and not done.query():
-                    break
+                    running.append((done, reply))
+                    continue
                 done.synchronize()
             except Exception as e:  # a device error ends the copy: its pages are not kept
                 reply = msgspec.structs.replace(reply, ok=False, error=_why(e))
-            self._spills.popleft()
             out.append(reply)
+        self._copies = running
         return out
 
-    def spill_waiter(self) -> Callable[[], None] | None:
-        """A call that blocks until the oldest spill in flight has finished (to run in
-        another thread; it changes nothing), or None when none is in flight."""
-        return self._spills[0][0].synchronize if self._spills else None
+    def copy_waiters(self) -> list[Callable[[], None]]:
+        """Calls that block until the oldest copy in flight in each direction has
+        finished (to run in other threads; they change nothing): one returns as soon as
+        any copy is done, since each direction's copies finish in order."""
+        oldest: dict[type, Callable[[], None]] = {}
+        for done, reply in self._copies:
+            oldest.setdefault(type(reply), done.synchronize)
+        return list(oldest.values())
 
     def step_ready(self) -> bool:
         """Whether flush() would return without waiting for the device."""

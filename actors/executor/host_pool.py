@@ -18,15 +18,17 @@ layer, straight between the host pool and a device-side block: no host-side gath
 scatter, which on a GPU costs more than the PCIe copy. A scattered chunk is gathered
 or scattered on the host by index instead, through pinned staging.
 
-On CUDA a load is queued on the current stream, the one the forwards run on, so it is
-ordered before any later forward (the host never waits for it). A spill is queued on a
-copy stream of its own that first waits for every forward queued so far (they wrote
-the pages it reads): its PCIe copies overlap the forwards after it, and `spill`
-returns an event that completes once its host pages are readable. Its device pages are
-the prefix tree's, which nothing writes, and the cache manager keeps them (and the
-host pages, until answered) while the copy is in flight. Only a scattered chunk's
-host-side scatter waits on the host for the copy stream. On a CPU the copies are done
-when the call returns.
+On CUDA a copy is queued on a stream of its own per direction (two copy engines, PCIe
+both ways) that first waits for every forward queued so far: a spill reads pages those
+forwards wrote, a load overwrites pages they may still read (evicted a moment ago).
+The forwards queued after it do not wait for it, so its PCIe transfer overlaps them,
+and the copy returns an event that completes once its data has landed. Nothing reads
+the copy's destination before then: the cache manager hands loaded pages to no request
+and reads no backed-up host page until the executor has answered the copy, which it
+does once the event is done. A spill's source pages are the prefix tree's, which
+nothing writes, kept while the copy is in flight. Only a scattered chunk's host-side
+scatter waits on the host for its stream. On a CPU the copies are done when the call
+returns.
 
 Invariants: a refused copy (ValueError: length mismatch, a page out of range, a
 destination page named twice, the device pool released or of another layout) changes
@@ -103,28 +105,49 @@ class HostKVPool:
         self.v_all = torch.empty(shape, dtype=self.dtype)
         self.pinned = like.device.type == "cuda" and _pin(self, [self.k_all, self.v_all])
         self._num_spilled = self._num_loaded = 0
-        self._stream: torch.cuda.Stream | None = None  # spills' copies (CUDA)
+        self._streams: dict[str, torch.cuda.Stream] = {}  # "spill", "load" (CUDA)
 
     def spill(self, pool: KVPool, device_pages: list[int],
               host_pages: list[int]) -> torch.cuda.Event | None:  # fmt: skip
         """Copy `device_pages[i]` of `pool` into `host_pages[i]`, all layers, K and V. On
-        CUDA the copies are queued on the pool's copy stream behind every forward queued
-        so far, and the returned event completes once the host pages are readable (the
-        forwards go on meanwhile); elsewhere the copy is done when it returns (None)."""
+        CUDA the copy is queued behind every forward queued so far, and the returned
+        event completes once the host pages are readable; elsewhere it is done when this
+        returns (None)."""
         self._check(pool, device_pages, host_pages, "device", pool.num_pages, "host",
                     self.num_pages)  # fmt: skip
-        done = None
-        if pool.device.type != "cuda":
-            self._spill(pool, device_pages, host_pages, cuda=False)
-        else:
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(pool.device)
-            self._stream.wait_stream(torch.cuda.current_stream(pool.device))
-            with torch.cuda.stream(self._stream):  # its temporaries belong to this stream
-                self._spill(pool, device_pages, host_pages, cuda=True)
-                done = torch.cuda.Event()
-                done.record(self._stream)
+        done = self._queue("spill", pool, lambda cuda: self._spill(pool, device_pages,
+                                                                  host_pages, cuda))  # fmt: skip
         self._num_spilled += len(device_pages)
+        return done
+
+    def load(self, pool: KVPool, host_pages: list[int],
+             device_pages: list[int]) -> torch.cuda.Event | None:  # fmt: skip
+        """Copy `host_pages[i]` into `device_pages[i]` of `pool`, all layers, K and V. On
+        CUDA the copy is queued behind every forward queued so far (which may still read
+        the pages it overwrites), and the returned event completes once the device pages
+        hold it: no forward may read them before; elsewhere it is done when this returns
+        (None)."""
+        self._check(pool, host_pages, device_pages, "host", self.num_pages, "device",
+                    pool.num_pages)  # fmt: skip
+        done = self._queue("load", pool, lambda cuda: self._load(pool, host_pages,
+                                                                device_pages, cuda))  # fmt: skip
+        self._num_loaded += len(host_pages)
+        return done
+
+    def _queue(self, direction: str, pool: KVPool,
+               copy: Callable[[bool], None]) -> torch.cuda.Event | None:  # fmt: skip
+        """copy(cuda) on the direction's copy stream after the forwards' stream, and the
+        event of its end; on a CPU copy(False), done."""
+        if pool.device.type != "cuda":
+            copy(False)
+            return None
+        if (stream := self._streams.get(direction)) is None:
+            stream = self._streams[direction] = torch.cuda.Stream(pool.device)
+        stream.wait_stream(torch.cuda.current_stream(pool.device))
+        with torch.cuda.stream(stream):  # the copy's temporaries belong to this stream
+            copy(True)
+            done = torch.cuda.Event()
+            done.record(stream)
         return done
 
     def _spill(self, pool: KVPool, device_pages: list[int], host_pages: list[int],
@@ -143,13 +166,8 @@ class HostKVPool:
                     block = staged
                 h.index_copy_(1, part.host_slots, block)
 
-    def load(self, pool: KVPool, host_pages: list[int], device_pages: list[int]) -> None:
-        """Copy `host_pages[i]` into `device_pages[i]` of `pool`, all layers, K and V. On
-        CUDA it is queued on the current stream (ordered before later forwards) and may
-        still be running when this returns."""
-        self._check(pool, host_pages, device_pages, "host", self.num_pages, "device",
-                    pool.num_pages)  # fmt: skip
-        cuda = pool.device.type == "cuda"
+    def _load(self, pool: KVPool, host_pages: list[int], device_pages: list[int],
+              cuda: bool) -> None:  # fmt: skip
         for part in self._parts(host_pages, device_pages, pool.device):
             for h, d in ((self.k_all, pool.k_all), (self.v_all, pool.v_all)):
                 if part.runs is not None:
@@ -168,7 +186,6 @@ class HostKVPool:
                 else:
                     block = h.index_select(1, part.host_slots)
                 d.index_copy_(1, part.device_slots, block)
-        self._num_loaded += len(host_pages)
 
     def statistics(self) -> HostKVPoolStats:
         return HostKVPoolStats(

@@ -316,9 +316,9 @@ def test_core_copy_restores_a_prefix_that_decodes_as_before(config):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_core_spill_is_answered_when_done_and_the_prefix_decodes_as_before(config):
-    """On a GPU the spill comes back as None from copy() and is answered by
-    spills_done() once its copy stream got there; the reloaded prefix decodes the same."""
+def test_cuda_core_copies_are_answered_when_done_and_the_prefix_decodes_as_before(config):
+    """On a GPU a copy comes back as None from copy() and is answered by copies_done()
+    once its copy stream got there; the reloaded prefix decodes the same."""
     core = build_core(
         msgspec.structs.replace(
             config, device="cuda", attention_backend="triton", skip_server_warmup=True
@@ -327,12 +327,14 @@ def test_cuda_core_spill_is_answered_when_done_and_the_prefix_decodes_as_before(
     assert core.host_pool is not None and core.host_pool.pinned
     first = core.step(_prefill(0, 0, [5, 9, 2]))
     assert core.copy(SpillPages(1, [11, 12, 13], [5, 9, 2], [100, 3, 64])) is None
-    assert core.spills_done(wait=True) == [PagesSpilled(1, [11, 12, 13], ok=True)]
-    assert core.spill_waiter() is None and core.spills_done() == []
+    assert core.copies_done(wait=True) == [PagesSpilled(1, [11, 12, 13], ok=True)]
+    assert core.copy_waiters() == [] and core.copies_done() == []
     pool = core.runner.kv_pool
     pool.k_all.zero_(), pool.v_all.zero_()
-    got = core.copy(LoadPages(2, [11, 12, 13], [100, 3, 64], [40, 13, 27]))
-    assert got == PagesLoaded(2, [11, 12, 13], ok=True)
+    assert core.copy(LoadPages(2, [11, 12, 13], [100, 3, 64], [40, 13, 27])) is None
+    (wait,) = core.copy_waiters()
+    wait()
+    assert core.copies_done() == [PagesLoaded(2, [11, 12, 13], ok=True)]
     again = core.step(_on_prefix(1, 1, [40, 13, 27]))
     assert again.token_ids == first.token_ids
     assert again.logprobs == pytest.approx(first.logprobs, abs=1e-3)
@@ -397,8 +399,8 @@ async def test_actor_answers_copies_in_order_between_batches(config):
 
 
 class _HeldCopy:
-    """Stands in for a spill's CUDA event, which a CPU has none of: the copy is done
-    (it already is) when the test says so."""
+    """Stands in for a copy's CUDA event, which a CPU has none of: the copy is done (it
+    already is) when the test says so."""
 
     def __init__(self) -> None:
         self._done = threading.Event()
@@ -414,49 +416,57 @@ class _HeldCopy:
 
 
 @pytest.mark.anyio
-async def test_actor_answers_a_spill_once_its_copy_is_done_and_finishes_it_before_a_flip(
-    config, monkeypatch
-):
-    """A spill still running on the device does not hold the loop: later steps are
-    answered first, and its reply comes once its copy is done, whether the loop waits
-    for a message then or not; a flip waits for it."""
+async def test_actor_answers_copies_once_done_and_finishes_them_before_a_flip(config,
+                                                                               monkeypatch):  # fmt: skip
+    """A copy still running on the device does not hold the loop: later steps are
+    answered first, and its reply comes once its copy is done (a load's not behind an
+    older spill's), whether the loop waits for a message or a step then; a flip waits
+    for the copies in flight."""
     held: list[_HeldCopy] = []
-    spill = HostKVPool.spill
 
-    def spill_held(self, pool, device_pages, host_pages):
-        assert spill(self, pool, device_pages, host_pages) is None  # done on the CPU
-        held.append(_HeldCopy())
-        return held[-1]
+    def holding(copy):
+        def held_copy(self, pool, src, dst):
+            assert copy(self, pool, src, dst) is None  # done on the CPU
+            held.append(_HeldCopy())
+            return held[-1]
 
-    monkeypatch.setattr(HostKVPool, "spill", spill_held)
+        return held_copy
+
+    monkeypatch.setattr(HostKVPool, "spill", holding(HostKVPool.spill))
+    monkeypatch.setattr(HostKVPool, "load", holding(HostKVPool.load))
     hub = InProcHub()
     exec_bus, cm_bus = hub.connect("executor.0"), hub.connect("cache_manager")
     async with anyio.create_task_group() as tg:
-        async with cm_bus.subscribe("spill.done", "sched.result", "health.ready",
+        async with cm_bus.subscribe("spill.done", "spill.loaded", "sched.result", "health.ready",
                                     "flip.memory") as sub:  # fmt: skip
 
             async def next_msg():
                 return (await sub.receive()).msg
 
+            async def nothing_yet(why: str) -> None:
+                with anyio.move_on_after(0.3):
+                    pytest.fail(f"{why}: {await next_msg()}")
+
             tg.start_soon(run, config, exec_bus)
             with anyio.fail_after(60):
                 assert isinstance(await next_msg(), Ready)
                 for m in (_prefill(0, 0, [5, 9, 2]), SpillPages(1, [11], [5], [100]),
-                          _prefill(1, 1, [6, 10, 3])):  # fmt: skip
+                          LoadPages(2, [12], [7], [30]), _prefill(1, 1, [6, 10, 3])):  # fmt: skip
                     await cm_bus.publish(m)
                 steps = [await next_msg(), await next_msg()]
                 assert [(type(m), m.step_id) for m in steps] == [(StepResult, 0), (StepResult, 1)]
-                with anyio.move_on_after(0.3):
-                    pytest.fail(f"answered before its copy was done: {await next_msg()}")
+                await nothing_yet("answered before its copy was done")
+                held[1].release()  # the load, while the spill before it still runs
+                assert await next_msg() == PagesLoaded(2, [12], ok=True)
+                await nothing_yet("answered before its copy was done")
                 held[0].release()  # the loop is idle, waiting for a message
                 assert await next_msg() == PagesSpilled(1, [11], ok=True)
 
-                await cm_bus.publish(SpillPages(2, [12], [9], [101]))
+                await cm_bus.publish(SpillPages(3, [13], [9], [101]))
                 await cm_bus.publish(ReleaseMemory("f1", ["kv_cache"]))
-                with anyio.move_on_after(0.3):
-                    pytest.fail(f"the flip went ahead of the spill: {await next_msg()}")
-                held[1].release()
-                assert await next_msg() == PagesSpilled(2, [12], ok=True)
+                await nothing_yet("the flip went ahead of the copy")
+                held[2].release()
+                assert await next_msg() == PagesSpilled(3, [13], ok=True)
                 state = await next_msg()
                 assert isinstance(state, MemoryState) and state.ok
         tg.cancel_scope.cancel()

@@ -115,8 +115,7 @@ class HostKVPool:
         returns (None)."""
         self._check(pool, device_pages, host_pages, "device", pool.num_pages, "host",
                     self.num_pages)  # fmt: skip
-        done = self._queue("spill", pool, lambda cuda: self._spill(pool, device_pages,
-                                                                  host_pages, cuda))  # fmt: skip
+        done = self._queue("spill", pool, self._spill, device_pages, host_pages)
         self._num_spilled += len(device_pages)
         return done
 
@@ -129,23 +128,22 @@ class HostKVPool:
         (None)."""
         self._check(pool, host_pages, device_pages, "host", self.num_pages, "device",
                     pool.num_pages)  # fmt: skip
-        done = self._queue("load", pool, lambda cuda: self._load(pool, host_pages,
-                                                                device_pages, cuda))  # fmt: skip
+        done = self._queue("load", pool, self._load, host_pages, device_pages)
         self._num_loaded += len(host_pages)
         return done
 
-    def _queue(self, direction: str, pool: KVPool,
-               copy: Callable[[bool], None]) -> torch.cuda.Event | None:  # fmt: skip
-        """copy(cuda) on the direction's copy stream after the forwards' stream, and the
-        event of its end; on a CPU copy(False), done."""
+    def _queue(self, direction: str, pool: KVPool, copy: Callable, src: list[int],
+               dst: list[int]) -> torch.cuda.Event | None:  # fmt: skip
+        """copy(pool, src, dst, cuda) on the direction's copy stream after the forwards'
+        stream, and the event of its end; on a CPU copy(..., False), done."""
         if pool.device.type != "cuda":
-            copy(False)
+            copy(pool, src, dst, False)
             return None
         if (stream := self._streams.get(direction)) is None:
             stream = self._streams[direction] = torch.cuda.Stream(pool.device)
         stream.wait_stream(torch.cuda.current_stream(pool.device))
         with torch.cuda.stream(stream):  # the copy's temporaries belong to this stream
-            copy(True)
+            copy(pool, src, dst, True)
             done = torch.cuda.Event()
             done.record(stream)
         return done

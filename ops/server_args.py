@@ -51,7 +51,7 @@ DECODE_ATTENTION_BACKENDS = ("auto", "triton", "flashinfer")
 WEIGHT_FORMATS = ("none", "bf16", "int8", "int4")
 RETRACTION_POLICIES = ("length", "priority")
 RADIX_EVICTION_POLICIES = ("lru", "lfu")
-HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective")
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
 class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

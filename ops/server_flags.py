@@ -103,8 +103,8 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("hicache_size", ("--hicache-size",), "memory",
      "host KV pool size in GB (overrides --hicache-ratio when > 0)"),
     ("hicache_write_policy", ("--hicache-write-policy",), "memory",
-     "when cached pages are copied to the host: write_through (as they are cached) or "
-     "write_through_selective (once a match reuses them)"),
+     "when cached pages are copied to the host: write_through (as they are cached), "
+     "write_through_selective (once a match reuses them) or write_back (as they are evicted)"),
     ("mem_fraction_static", ("--mem-fraction-static", "--gpu-memory-utilization"), "memory",
      "fraction of device memory for weights and KV pool"),
     ("page_size", ("--page-size", "--block-size"), "memory", "tokens per KV page"),

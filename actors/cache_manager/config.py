@@ -11,9 +11,7 @@ import msgspec
 
 from shunter.actors.cache_manager.radix import EVICTION_POLICIES
 
-# "write_back" (copy at eviction) is not offered: a lease never waits, and a copy would
-# hold its pages past the eviction that asked for them.
-WRITE_POLICIES = ("write_through", "write_through_selective")
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 SELECTIVE_HITS = 2
 
 
@@ -41,8 +39,9 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     write_policy: str = "write_through"
     """When cached pages are backed up to the host tier: "write_through" (as soon as they
-    enter the tree) or "write_through_selective" (once a match has reached them
-    SELECTIVE_HITS times, so pages used once do not cost a copy)."""
+    enter the tree), "write_through_selective" (once a match has reached them
+    SELECTIVE_HITS times, so pages used once do not cost a copy) or "write_back" (when
+    device eviction takes them: the grant that asked waits for the copy)."""
 
     actor_id: str = "cache"
     """This instance's id on the bus."""

@@ -26,9 +26,10 @@ Theory of operation
 
     Host tier (config.num_host_pages > 0; the pool's books in host_tier.py). A node
     entering the tree (write_through), or reached by its SELECTIVE_HITS-th match
-    (write_through_selective), is backed up to host pages (SpillPages). Device eviction
-    demotes a backed-up leaf (the node stays, host-only) and skips one whose backup is
-    still running (a short grant is then owed a PagesEvictable). A match reaching into
+    (write_through_selective), or taken by device eviction (write_back) is backed up to
+    host pages (SpillPages). Device eviction demotes a backed-up leaf (the node stays,
+    host-only) and skips one whose backup is still running (a short grant is then owed
+    a PagesEvictable; under write_back the backups it starts are waited for alike). A match reaching into
     host-only nodes attaches device pages to them and sends LoadPages; its Matched, and
     that of any match reaching pages still loading, waits for the PagesLoaded. A failed
     load leaves its nodes invalid and matches its waiters again.
@@ -140,8 +141,7 @@ class CacheManagerCore:
         self.config = config
         self.page_size = config.page_size
         self.ledger = PageLedger(config.num_pages)
-        selective = config.write_policy == "write_through_selective"
-        self.host = (HostTier(config.num_host_pages, config.page_size, selective)
+        self.host = (HostTier(config.num_host_pages, config.page_size, config.write_policy)
                      if config.num_host_pages else None)  # fmt: skip
         self.tree = RadixTree(config.page_size,
                               hash_blocks=config.emit_kv_events or self.host is not None,
@@ -223,6 +223,13 @@ class CacheManagerCore:
             if load is not None:
                 out.append(load)
                 pages = self.tree.path_pages(node)
+            elif host.write_back and host.blocked and host.writes:
+                self.tree.lock(node)  # the load's room waits for a backup: match again then
+                req.node = node
+                for cid in host.writes:
+                    req.waiting.add(cid)
+                    host.waiters.setdefault(cid, {})[req.tokenized.request_id] = None
+                return out
         self.tree.lock(node)
         req.node = node
         num_tokens = len(pages) * self.page_size
@@ -271,7 +278,8 @@ class CacheManagerCore:
             self.host.blocked = False
         if num_pages <= 0 or not self.tree.num_pages:
             return 0
-        decide = self.host.decide if self.host is not None else None
+        host, back_up = self.host, lambda node: self._backup(node, out)
+        decide = None if host is None else lambda leaf: host.decide(leaf, back_up)
         return self._release_blocks(self.tree.evict(num_pages, decide), out)
 
     def _make_room(self, keep: Node, num_pages: int, out: list[Msg]) -> None:
@@ -280,18 +288,35 @@ class CacheManagerCore:
         self._num_evicted += self._evict(num_pages, out)
         self.tree.unlock(keep)
 
-    def _backup(self, node: Node, out: list[Msg]) -> None:
-        if self.host is not None and not self._drops:
-            spill = self.host.backup(self.tree, node, lambda b: self._release_blocks(b, out))
-            if spill is not None:
-                out.append(spill)
+    def _backup(self, node: Node, out: list[Msg]) -> bool:
+        """Back node up to the host tier if it has room; whether a copy started."""
+        if self.host is None or self._drops:
+            return False
+        spill = self.host.backup(self.tree, node, lambda b: self._release_blocks(b, out))
+        if spill is not None:
+            out.append(spill)
+        return spill is not None
 
     def _on_spilled(self, msg: PagesSpilled) -> list[Msg]:
-        out = self.host.spilled(self.tree, msg) if self.host is not None else None
+        host = self.host
+        out = host.spilled(self.tree, msg) if host is not None else None
         if out is None:  # not a backup of ours (or answered twice)
             return []
+        assert host is not None
+        for rid in host.waiters.pop(msg.copy_id, {}):  # matches waiting for room (write_back)
+            out += self._match_again(self.requests[rid], msg.copy_id)
         self._drop_when_idle(out)
         return out
+
+    def _match_again(self, req: _Request, answered: int) -> list[Msg]:
+        """Match a request waiting for copies again, once `answered` is; it stops
+        waiting for the others."""
+        rid = req.tokenized.request_id
+        for cid in req.waiting - {answered}:
+            del self.host.waiters[cid][rid]  # type: ignore[union-attr]
+        req.waiting.clear()
+        self._unlock(req)
+        return self._match(req)
 
     def _on_loaded(self, msg: PagesLoaded) -> list[Msg]:
         host = self.host
@@ -302,14 +327,11 @@ class CacheManagerCore:
         out: list[Msg] = []
         for rid in rids:
             req = self.requests[rid]
-            req.waiting.discard(msg.copy_id)
             if not msg.ok:  # match again: it stops before the nodes that failed
-                for cid in req.waiting:
-                    del host.waiters[cid][rid]
-                req.waiting.clear()
-                self._unlock(req)
-                out += self._match(req)
-            elif not req.waiting:
+                out += self._match_again(req, msg.copy_id)
+                continue
+            req.waiting.discard(msg.copy_id)
+            if not req.waiting:
                 out.append(self._matched(req))
         self._drop_when_idle(out)
         return out
@@ -390,7 +412,7 @@ class CacheManagerCore:
                         list(leaf.hashes), parent_hash, list(leaf.key), self.page_size, ns or None
                     )
                 )
-            if self.host is not None and not self.host.selective:
+            if self.host is not None and not (self.host.selective or self.host.write_back):
                 self._backup(ins.new_node, out)
         return ins.node, dups
 

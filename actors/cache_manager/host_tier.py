@@ -9,10 +9,15 @@ Theory of operation
       leaves LRU when short; no room at all skips it) and ask for the copy.
     - `decide(leaf)`: what device eviction does to a leaf: demote it when its backup
       has landed (the node stays, host-only), skip it while the backup runs (`blocked`
-      is then set, so a short grant can be owed a PagesEvictable), else drop it.
+      is then set, so a short grant can be owed a PagesEvictable), else drop it. Under
+      write_back a leaf with no backup gets one now, and it and a leaf whose backup
+      runs count toward the eviction's target while it waits (so no more leaves than
+      needed are copied); the grant is short and owed a PagesEvictable likewise.
     - `load(node)`: the host-only nodes of a match's path, from the top, get device
       pages as far as free ones reach (the core's `make_room` evicts first), the last
-      one split where they run out; LoadPages asks for the copy. Until PagesLoaded,
+      one split where they run out; LoadPages asks for the copy. Under write_back, when
+      the room is still to come from backups eviction started, nothing is loaded: the
+      core has the match wait for a backup to land (`waiters` of the spill) and retry. Until PagesLoaded,
       those device pages are `page_load`'s, and a match reaching one waits (`waiters`).
     - `spilled` / `loaded`: a copy's reply. A failed backup forgets its host copy; a
       failed load leaves its nodes invalid (the core matches their waiters again).
@@ -42,15 +47,18 @@ from shunter.bus.messages import (
 
 
 class HostTier:
-    def __init__(self, num_pages: int, page_size: int, selective: bool) -> None:
+    def __init__(self, num_pages: int, page_size: int, write_policy: str) -> None:
         self.ledger = PageLedger(num_pages)
         self.page_size = page_size
-        self.selective = selective  # back up on a node's first reuse, not its insert
+        self.selective = write_policy == "write_through_selective"  # at a reuse, not insert
+        self.write_back = write_policy == "write_back"  # at eviction, not insert
         self.next_copy = 1
         self.writes: dict[int, list[int]] = {}  # copy id -> host pages being written
         self.loads: dict[int, list[int]] = {}  # copy id -> device pages being loaded
         self.page_load: dict[int, int] = {}  # device page being loaded -> copy id
-        self.waiters: dict[int, dict[str, None]] = {}  # load copy id -> requests, in order
+        # copy id -> requests waiting for it, in order: every load's; a spill's under
+        # write_back when a match waits for room
+        self.waiters: dict[int, dict[str, None]] = {}
         self.blocked = False  # the last eviction skipped a leaf whose backup is in flight
         self.owe_relief = False  # a short grant awaits a backup landing (PagesEvictable)
         self.num_host_hit = self.num_spilled = self.num_loaded = self.num_demoted = 0
@@ -65,13 +73,18 @@ class HostTier:
         self.next_copy += 1
         return cid
 
-    def decide(self, leaf: Node) -> str:
-        """What device eviction does to a leaf (RadixTree.evict)."""
+    def decide(self, leaf: Node, back_up: Callable[[Node], bool]) -> str:
+        """What device eviction does to a leaf (RadixTree.evict). Under write_back a
+        leaf with no host copy is backed up now (`back_up(leaf)`: whether a copy
+        started) and waited for, as is one whose backup is running."""
         if not leaf.host_pages:
+            if self.write_back and leaf.valid and back_up(leaf):
+                self.blocked = True
+                return "wait"
             return "drop"
         if any(self.ledger.owner[h] == OUT for h in leaf.host_pages):
             self.blocked = True
-            return "skip"
+            return "wait" if self.write_back else "skip"
         return "demote" if leaf.valid else "drop"
 
     def backup(self, tree: RadixTree, node: Node,
@@ -105,6 +118,8 @@ class HostTier:
         need = sum(len(n.host_pages) for n in host_path)
         if need > device.num_free:
             make_room(node, need - device.num_free)
+            if self.write_back and self.blocked and need > device.num_free:
+                return node, None  # room comes as the backups eviction started land
         room = device.num_free
         loaded: list[Node] = []
         for n in host_path:

@@ -351,8 +351,9 @@ class RadixTree:
         nothing unlocked is left, least recently used first ("lru"), or least often hit
         first, then least recently ("lfu"). Whole nodes go. `decide(leaf)` says what
         happens to each: "drop" (the default: it leaves the tree with its host-only
-        subtree), "demote" (it keeps its host copy and becomes host-only) or "skip"
-        (it stays as it is this time)."""
+        subtree), "demote" (it keeps its host copy and becomes host-only), "skip" (it
+        stays as it is this time) or "wait" (it stays, but its pages count toward
+        num_pages: they come free once its backup lands)."""
         heap = [self._evict_key(n) for n in self.leaves if n.lock_ref == 0]
         heapq.heapify(heap)
         out: list[EvictedBlock] = []
@@ -362,7 +363,8 @@ class RadixTree:
             parent = leaf.parent
             assert parent is not None and leaf.pages and leaf.lock_ref == 0
             what = decide(leaf) if decide is not None else "drop"
-            if what == "skip":
+            if what in ("skip", "wait"):
+                freed += len(leaf.pages) if what == "wait" else 0
                 continue
             freed += len(leaf.pages)
             self.leaves.discard(leaf)

@@ -2,7 +2,8 @@
 device pool comes back from the host pool (prompt_tokens_details.cached_tokens counts
 it), the greedy answer is the same as the first time, and the recorded bus shows the
 copies: every backup and load answered ok, both censuses whole, and the cache manager's
-decisions replay from its recorded inbox. Over ZMQ too (multi-process, heavy)."""
+decisions replay from its recorded inbox. Backups as pages are cached (write_through)
+or as they are evicted (write_back). Over ZMQ too (multi-process, heavy)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 import time
 
 import openai
+import pytest
 
 from shunter.bus.log import LogReader
 from shunter.bus.messages import (
@@ -33,12 +35,15 @@ def _prompt(topic: str) -> str:
     return f"Write one line about {topic}. {facts} Now the line:"
 
 
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
 def test_a_prefix_evicted_from_the_device_comes_back_from_the_host(
-    start_server, call, mode, tmp_path
+    start_server, call, mode, tmp_path, policy
 ):
-    # 512 device slots hold about three prompts; the host pool holds four times that
+    # 512 device slots hold about three prompts; the host pool holds four times that.
+    # write_back copies a prompt's pages as they are evicted, write_through as they are cached.
     args = ("--enable-hierarchical-cache", "--hicache-ratio", "4", "--max-total-tokens", "512",
-            "--max-running-requests", "2", "--enable-metrics")  # fmt: skip
+            "--max-running-requests", "2", "--enable-metrics",
+            "--hicache-write-policy", policy)  # fmt: skip
     with start_server(tmp_path / "srv", mode, *args) as server:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none")
 

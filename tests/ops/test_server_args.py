@@ -317,7 +317,7 @@ def test_hierarchical_cache_options_are_checked():
         (["--enable-hierarchical-cache", "--disable-radix-cache"], "needs the radix cache"),
         (["--hicache-ratio", "0"], "--hicache-ratio 0.0: must be > 0"),
         (["--hicache-size", "-1"], "--hicache-size -1: must be >= 0"),
-        (["--hicache-write-policy", "write_back"], "write_back"),
+        (["--hicache-write-policy", "write_around"], "write_around"),
     ]:
         err = io.StringIO()
         with contextlib.redirect_stderr(err):

@@ -210,6 +210,63 @@ def test_selective_policy_backs_up_on_the_second_hit():
     assert sp.device_pages == m.prefix_pages
 
 
+def test_write_back_copies_at_eviction_and_the_short_grant_waits_for_the_copy():
+    """Under write_back nothing is copied as it enters the tree; eviction backs up as
+    many least recent leaves as it needs (not more), grants short saying it awaits a
+    backup, answers the landing with PagesEvictable, and then demotes them: a later
+    match loads them back from the host."""
+    core, seq = make(num_pages=16, write_policy="write_back"), Seq()
+    pages_a, out = serve(core, "a", A, seq)
+    _, out_b = serve(core, "b", B, seq)
+    assert not of(out + out_b, SpillPages) and core.ledger.num_free == 2
+    out = core.handle(LeaseRequest(seq(), 4))
+    (g,) = of(out, LeaseGranted)
+    (sp,) = of(out, SpillPages)  # A, the least recent leaf, covers the 2 pages short
+    assert sp.device_pages == pages_a and len(g.pages) == 2 and g.awaits_backup
+    assert core.ledger.counts[TREE] == 14 and core.host.ledger.counts[OUT] == 8
+    again = core.handle(LeaseRequest(seq(), 2))  # asked again before it landed: it waits
+    (g2,) = of(again, LeaseGranted)
+    assert g2.pages == [] and g2.awaits_backup and not of(again, SpillPages)
+    assert of(core.handle(PagesSpilled(sp.copy_id, sp.keys)), PagesEvictable)
+    (g3,) = of(core.handle(LeaseRequest(seq(), 2)), LeaseGranted)
+    assert len(g3.pages) == 2 and set(g3.pages) <= set(pages_a)  # A demoted
+    assert g3.num_evicted_pages == 8 and not g3.awaits_backup
+    core.handle(LeaseReturned(g.pages + g3.pages))
+    (ld,) = of(core.handle(Tokenized("c", [*A, 1], SP)), LoadPages)
+    assert ld.host_pages == sp.host_pages and ld.keys == sp.keys
+
+
+def test_write_back_match_waits_for_the_backup_that_makes_room_for_its_load():
+    """A match reaching host-only pages when the device is full of leaves not yet backed
+    up: the eviction for its load starts their backup, the match waits (no Matched, no
+    partial load), and once the backup lands it is matched again and loads it all."""
+    core, seq = make(num_pages=10, num_host_pages=32, write_policy="write_back"), Seq()
+    serve(core, "a", A, seq)
+    (g,) = of(out := core.handle(LeaseRequest(seq(), 8)), LeaseGranted)
+    (sp,) = of(out, SpillPages)
+    core.handle(PagesSpilled(sp.copy_id, sp.keys))
+    (g2,) = of(core.handle(LeaseRequest(seq(), 6)), LeaseGranted)
+    core.handle(LeaseReturned(g.pages + g2.pages))  # A is host-only now, the device free
+    pages_b, _ = serve(core, "b", B, seq)
+    out = core.handle(Tokenized("c", [*A, 1], SP))
+    (sp_b,) = of(out, SpillPages)
+    assert sp_b.device_pages == pages_b and not of(out, Matched) and not of(out, LoadPages)
+    out = core.handle(PagesSpilled(sp_b.copy_id, sp_b.keys))
+    (ld,) = of(out, LoadPages)
+    assert ld.host_pages == sp.host_pages and not of(out, Matched)
+    (m,) = of(core.handle(PagesLoaded(ld.copy_id, ld.keys)), Matched)
+    assert m.num_cached_tokens == 8 and m.prefix_pages == ld.device_pages
+
+
+def test_write_back_drops_what_the_host_has_no_room_for():
+    core, seq = make(num_pages=10, num_host_pages=4, write_policy="write_back"), Seq()
+    serve(core, "a", A, seq)
+    out = core.handle(LeaseRequest(seq(), 10))
+    (g,) = of(out, LeaseGranted)
+    assert not of(out, SpillPages) and len(g.pages) == 10 and not g.awaits_backup
+    assert core.tree.nodes() == []
+
+
 def test_host_census_counts_writes_in_flight():
     core, seq = make(), Seq()
     _, out = serve(core, "a", A, seq)
@@ -243,9 +300,10 @@ def test_an_insert_over_host_only_positions_takes_its_pages_as_theirs():
 
 
 def test_config_checks_the_host_tier():
-    with pytest.raises(ValueError, match="write_back"):
-        CacheConfig(num_pages=4, num_host_pages=4, write_policy="write_back")
+    with pytest.raises(ValueError, match="write_around"):
+        CacheConfig(num_pages=4, num_host_pages=4, write_policy="write_around")
     with pytest.raises(ValueError, match="num_host_pages"):
         CacheConfig(num_pages=4, num_host_pages=-1)
-    cfg = CacheConfig(num_pages=4, num_host_pages=8, write_policy="write_through_selective")
-    assert CacheConfig.from_info(cfg.to_info()) == cfg
+    for policy in ("write_through_selective", "write_back"):
+        cfg = CacheConfig(num_pages=4, num_host_pages=8, write_policy=policy)
+        assert CacheConfig.from_info(cfg.to_info()) == cfg

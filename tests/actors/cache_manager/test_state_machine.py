@@ -367,6 +367,14 @@ class CacheMachineHostSelective(CacheMachine):
     write_policy = "write_through_selective"
 
 
+class CacheMachineHostWriteBack(CacheMachine):
+    """Backups start at eviction; short grants wait for them."""
+
+    num_pages = 14
+    num_host_pages = 20
+    write_policy = "write_back"
+
+
 QUICK = settings(max_examples=40, stateful_step_count=40, deadline=None,
                  suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
 
@@ -384,6 +392,8 @@ TestCacheMachineHostPaged = CacheMachineHostPaged.TestCase
 TestCacheMachineHostPaged.settings = QUICK
 TestCacheMachineHostSelective = CacheMachineHostSelective.TestCase
 TestCacheMachineHostSelective.settings = settings(QUICK, max_examples=20)
+TestCacheMachineHostWriteBack = CacheMachineHostWriteBack.TestCase
+TestCacheMachineHostWriteBack.settings = settings(QUICK, max_examples=20)
 
 
 @pytest.mark.heavy

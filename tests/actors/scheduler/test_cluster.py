@@ -283,10 +283,11 @@ test_scheduler_with_cache_state_machine = SchedulerWithCache.TestCase
 # ---- seeded fuzz ----------------------------------------------------------------------
 
 
-def fuzz(seed: int, num_deliveries: int, host: bool = False) -> Cluster:
+def fuzz(seed: int, num_deliveries: int, host: bool = False,
+         write_policy: str | None = None) -> Cluster:  # fmt: skip
     """Random arrivals, aborts and delivery orders under a small pool, checking the books
     after every delivery; drains at the end and checks everything finished cleanly. With
-    host, a host KV tier too (its size and write policy drawn)."""
+    host, a host KV tier too (its size drawn, and its write policy unless given)."""
     import random
 
     rng = random.Random(seed)
@@ -304,7 +305,9 @@ def fuzz(seed: int, num_deliveries: int, host: bool = False) -> Cluster:
     tier = {}
     if host:
         tier = {"num_host_pages": rng.randint(8, 4 * num_pages),
-                "write_policy": rng.choice(["write_through", "write_through_selective"])}  # fmt: skip
+                "write_policy": rng.choice(["write_through", "write_through_selective",
+                                            "write_back"])}  # fmt: skip
+        tier["write_policy"] = write_policy or tier["write_policy"]
     c = Cluster(cfg, num_pages, token_fn=token_fn, **tier)
     prefixes = [[], list(range(300, 300 + rng.randint(4, 30))), list(range(700, 712))]
     rids: list[str] = []
@@ -339,6 +342,12 @@ def test_seeded_fuzz(seed):
 @pytest.mark.parametrize("seed", [4, 5, 6, 7])
 def test_seeded_fuzz_with_a_host_tier(seed):
     c = fuzz(seed, 4000, host=True)
+    assert c.exe.num_copies > 0
+
+
+@pytest.mark.parametrize("seed", [8, 9])
+def test_seeded_fuzz_with_a_write_back_host_tier(seed):
+    c = fuzz(seed, 4000, host=True, write_policy="write_back")
     assert c.exe.num_copies > 0
 
 

@@ -138,6 +138,9 @@ async def _serve(core: ExecutorCore, config: ExecutorConfig, sub: Subscription, 
     prof = Profiler(config.actor_id, core.runner.device)
     memory = DeviceMemory(core)
     out = _Out(bus, submitted, prof)
+    # the threads that wait for page copies, which a message arriving first leaves
+    # running: bounded apart from the threads that run the core
+    copy_waits = anyio.CapacityLimiter(4)
     batch = await _receive(sub)
     while batch is not None:
         if isinstance(batch, FLIPS):
@@ -161,9 +164,10 @@ async def _serve(core: ExecutorCore, config: ExecutorConfig, sub: Subscription, 
         while batch is _WOKE:  # until a message comes (or the subscription closes)
             await _publish_copies(bus, core.copies_done())
             if not submitted:
-                batch = await _receive_unless_done(core, sub, step=False)
+                batch = await _receive_unless_done(core, sub, copy_waits, step=False)
                 continue
-            batch = _receive_nowait(sub) or await _receive_unless_done(core, sub, step=True)
+            batch = _receive_nowait(sub) or await _receive_unless_done(core, sub, copy_waits,
+                                                                       step=True)  # fmt: skip
             if batch is _WOKE and core.step_ready():
                 await out.publish(await anyio.to_thread.run_sync(core.flush))
 
@@ -221,34 +225,35 @@ def _update(core: ExecutorCore, config: ExecutorConfig, msg: UpdateWeights) -> W
 _WOKE = object()  # what _receive_unless_done returns when the device finished something
 
 
-async def _receive_unless_done(core: ExecutorCore, sub: Subscription, *, step: bool):
+async def _receive_unless_done(core: ExecutorCore, sub: Subscription,
+                               copy_waits: anyio.CapacityLimiter, *, step: bool):  # fmt: skip
     """The next message (None once the subscription is closed), unless first the step
     in flight (with `step`) or a page copy finishes on the device: then _WOKE.
     Receiving is cancellation-safe (a message being handed over when the race ends
-    stays queued)."""
-    waits = []
-    if step:
-        if core.step_ready():
-            return _WOKE
-        waits.append(core.wait_step_ready)
-    waits += core.copy_waiters()
+    stays queued). The copies' waits take `copy_waits`' threads: one left running
+    ends no later than the copy a new one would wait for (each direction's copies end
+    in order), so a wait held up by the limit is late by no more than that."""
+    waits = [(core.wait_step_ready, None)] if step else []
+    if step and core.step_ready():
+        return _WOKE
+    waits += [(w, copy_waits) for w in core.copy_waiters()]
     if not waits:
         return await _receive(sub)
     got: list[Inbound | None] = []
     async with anyio.create_task_group() as tg:
 
-        async def done(wait) -> None:
+        async def done(wait, limiter) -> None:
             # A device error is the step's or the copy's: flush or copies_done reports it.
             with contextlib.suppress(Exception):
-                await anyio.to_thread.run_sync(wait, abandon_on_cancel=True)
+                await anyio.to_thread.run_sync(wait, abandon_on_cancel=True, limiter=limiter)
             tg.cancel_scope.cancel()
 
         async def arrives() -> None:
             got.append(await _receive(sub))
             tg.cancel_scope.cancel()
 
-        for wait in waits:
-            tg.start_soon(done, wait)
+        for wait, limiter in waits:
+            tg.start_soon(done, wait, limiter)
         tg.start_soon(arrives)
     return got[0] if got else _WOKE
 

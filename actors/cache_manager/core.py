@@ -283,7 +283,7 @@ class CacheManagerCore:
         return self._release_blocks(self.tree.evict(num_pages, decide), out)
 
     def _make_room(self, keep: Node, num_pages: int, out: list[Msg]) -> None:
-        """Evict for a load, keeping keep's path (the device part of the match)."""
+        """Evict for a load, keeping keep's path (the whole match, host part too)."""
         self.tree.lock(keep)
         self._num_evicted += self._evict(num_pages, out)
         self.tree.unlock(keep)

@@ -109,7 +109,10 @@ class HostTier:
              make_room: Callable[[Node, int], object]) -> tuple[Node, LoadPages | None]:  # fmt: skip
         """Load back the host-only nodes ending at node (the end of a match); returns
         the deepest device-resident node of the path then, and the copy to ask for.
-        `make_room(frontier, n)` evicts n device pages, keeping frontier's path."""
+        `make_room(end, n)` evicts n device pages, keeping end's path: the host-only
+        nodes to load as well, which the backups write_back eviction starts could
+        otherwise evict from the host to make their room."""
+        end = node
         host_path: list[Node] = []
         while node.parent is not None and not node.pages:
             host_path.append(node)
@@ -117,7 +120,7 @@ class HostTier:
         host_path.reverse()
         need = sum(len(n.host_pages) for n in host_path)
         if need > device.num_free:
-            make_room(node, need - device.num_free)
+            make_room(end, need - device.num_free)
             if self.write_back and self.blocked and need > device.num_free:
                 return node, None  # room comes as the backups eviction started land
         room = device.num_free

@@ -387,8 +387,9 @@ class RadixTree:
         return out
 
     def evict_host(self, num_pages: int) -> list[EvictedBlock]:
-        """Remove host-only leaves until at least num_pages host pages came out or none
-        is left, in the order `evict` uses."""
+        """Remove unlocked host-only leaves until at least num_pages host pages came
+        out or none is left, in the order `evict` uses. (A host-only node is locked
+        while a load that reaches it makes room on the device.)"""
         heap = [self._evict_key(n) for n in self.host_leaves]
         heapq.heapify(heap)
         out: list[EvictedBlock] = []
@@ -397,6 +398,8 @@ class RadixTree:
             leaf = heapq.heappop(heap)[-1]
             parent = leaf.parent
             assert parent is not None and leaf.host_only and not leaf.children
+            if leaf.lock_ref:
+                continue
             out.append(self._remove(leaf))
             freed += len(out[-1].host_pages)
             if parent.parent is None:

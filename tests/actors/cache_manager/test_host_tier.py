@@ -236,17 +236,24 @@ def test_write_back_copies_at_eviction_and_the_short_grant_waits_for_the_copy():
     assert ld.host_pages == sp.host_pages and ld.keys == sp.keys
 
 
-def test_write_back_match_waits_for_the_backup_that_makes_room_for_its_load():
-    """A match reaching host-only pages when the device is full of leaves not yet backed
-    up: the eviction for its load starts their backup, the match waits (no Matched, no
-    partial load), and once the backup lands it is matched again and loads it all."""
-    core, seq = make(num_pages=10, num_host_pages=32, write_policy="write_back"), Seq()
+def a_host_only(core, seq) -> SpillPages:
+    """Serve A on a write_back core, then lease and return every page: A is backed up
+    at its eviction and demoted, host-only; returns its backup."""
     serve(core, "a", A, seq)
     (g,) = of(out := core.handle(LeaseRequest(seq(), 8)), LeaseGranted)
     (sp,) = of(out, SpillPages)
     core.handle(PagesSpilled(sp.copy_id, sp.keys))
     (g2,) = of(core.handle(LeaseRequest(seq(), 6)), LeaseGranted)
-    core.handle(LeaseReturned(g.pages + g2.pages))  # A is host-only now, the device free
+    core.handle(LeaseReturned(g.pages + g2.pages))
+    return sp
+
+
+def test_write_back_match_waits_for_the_backup_that_makes_room_for_its_load():
+    """A match reaching host-only pages when the device is full of leaves not yet backed
+    up: the eviction for its load starts their backup, the match waits (no Matched, no
+    partial load), and once the backup lands it is matched again and loads it all."""
+    core, seq = make(num_pages=10, num_host_pages=32, write_policy="write_back"), Seq()
+    sp = a_host_only(core, seq)  # the device free
     pages_b, _ = serve(core, "b", B, seq)
     out = core.handle(Tokenized("c", [*A, 1], SP))
     (sp_b,) = of(out, SpillPages)
@@ -256,6 +263,22 @@ def test_write_back_match_waits_for_the_backup_that_makes_room_for_its_load():
     assert ld.host_pages == sp.host_pages and not of(out, Matched)
     (m,) = of(core.handle(PagesLoaded(ld.copy_id, ld.keys)), Matched)
     assert m.num_cached_tokens == 8 and m.prefix_pages == ld.device_pages
+
+
+def test_write_back_load_keeps_its_host_pages_from_the_backups_its_room_starts():
+    """The host is full with A's copy and the device with B, never backed up. A match
+    for A needs B's pages: evicting B starts no backup that would evict A from the host
+    for room (A is being loaded), so B is dropped and A comes back whole."""
+    core, seq = make(num_pages=10, num_host_pages=8, write_policy="write_back"), Seq()
+    sp = a_host_only(core, seq)  # the host full
+    serve(core, "b", B, seq)
+    out = core.handle(Tokenized("c", [*A, 1], SP))
+    (ld,) = of(out, LoadPages)
+    assert not of(out, SpillPages) and ld.host_pages == sp.host_pages
+    assert core.host.ledger.counts[TREE] == 8 and core.tree.match("", B).num_tokens == 0
+    (m,) = of(core.handle(PagesLoaded(ld.copy_id, ld.keys)), Matched)
+    assert m.num_cached_tokens == 8 and m.prefix_pages == ld.device_pages
+    assert all(c.ok for c in of(core.handle(SchedulerCensus(1, seq.n, 0, 0)), Census))
 
 
 def test_write_back_drops_what_the_host_has_no_room_for():

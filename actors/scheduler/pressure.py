@@ -105,9 +105,14 @@ def unpark(core: SchedulerCore, req: Req, out: list[Msg]) -> None:
 
 def unpark_some(core: SchedulerCore, out: list[Msg]) -> None:
     """Bring parked requests back (oldest first) once the pressure has passed: nothing
-    runs, or retract_decode_steps steps went by without a retraction or parking."""
+    runs, or retract_decode_steps steps went by without a retraction or parking. Not
+    while a lease is outstanding: parking cleared `cache_short` without saying whether
+    the pages came free, and matches sent now would lock the tree again before the
+    grant, so that waiting requests parked in turn could starve the one ahead forever."""
     cfg = core.config
-    if not core.retracted or core.paused_by or core.draining or core.pool.cache_short:
+    pool = core.pool
+    if (not core.retracted or core.paused_by or core.draining or pool.cache_short
+            or pool.outstanding is not None):  # fmt: skip
         return
     idle = not core.running
     if not idle and core.step_id - core.last_pressure_step < cfg.retract_decode_steps:

@@ -351,6 +351,19 @@ def test_seeded_fuzz_with_a_write_back_host_tier(seed):
     assert c.exe.num_copies > 0
 
 
+@pytest.mark.parametrize(
+    ("seed", "policy"),
+    [(117, "write_back"), (149, "write_back"), (140, "write_through_selective"),
+     (165, "write_through_selective")],
+)  # fmt: skip
+def test_seeded_fuzz_regressions(seed, policy):
+    """Seeds that once failed: a write_back load's room-making backup evicted the host
+    pages being loaded (117, 149); parked requests matched again while a lease was
+    outstanding, and waiting requests parking each other in turn starved the one ahead
+    (140, 165)."""
+    fuzz(seed, 3000, host=True, write_policy=policy)
+
+
 @pytest.mark.heavy
 def test_seeded_fuzz_100k():
     c = fuzz(20261202, 100_000)

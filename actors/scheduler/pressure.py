@@ -104,8 +104,9 @@ def unpark(core: SchedulerCore, req: Req, out: list[Msg]) -> None:
 
 
 def unpark_some(core: SchedulerCore, out: list[Msg]) -> None:
-    """Bring parked requests back (oldest first) once the pressure has passed: nothing
-    runs, or retract_decode_steps steps went by without a retraction or parking. Not
+    """Bring parked requests back once the pressure has passed: when nothing runs, as
+    many as may run, in the policy's order; else the oldest, once retract_decode_steps
+    steps went by without a retraction or parking. Not
     while a lease is outstanding: parking cleared `cache_short` without saying whether
     the pages came free, and matches sent now would lock the tree again before the
     grant, so that waiting requests parked in turn could starve the one ahead forever."""
@@ -119,11 +120,12 @@ def unpark_some(core: SchedulerCore, out: list[Msg]) -> None:
         return
     if len(core.running) >= cfg.max_running_requests:
         return
-    parked = sorted(
-        (r for r in core.retracted.values() if r.state == PARKED and not r.awaiting_match),
-        key=lambda r: r.enqueue_seq,
-    )
-    for r in parked if idle else parked[:1]:
+    parked = [r for r in core.retracted.values() if r.state == PARKED and not r.awaiting_match]
+    if idle:  # as many as could run, in the policy's order: more would only be parked again
+        ordered = core.order.order(parked, core.now_ns)[: cfg.max_running_requests]
+    else:
+        ordered = sorted(parked, key=lambda r: r.enqueue_seq)[:1]
+    for r in ordered:
         unpark(core, r, out)
 
 

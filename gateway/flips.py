@@ -260,7 +260,7 @@ class Flips:
             if e.status != 504:
                 raise
             # the load may still finish: drop what the old weights computed (module docstring)
-            await self.bus.publish(DropTree(flip_id, include_locked=True))
+            await self.bus.publish(DropTree(flip_id, include_locked=True, weights_changed=True))
             dropped = "dropped"
             try:
                 await self._next(sub, flip_id, TreeDropped, self.load_timeout_s)
@@ -270,7 +270,7 @@ class Flips:
                                 f"the prefix cache was {dropped}", code="timeout") from None  # fmt: skip
         if not done.ok:
             return False, done.message
-        await self.bus.publish(DropTree(flip_id, include_locked=True))
+        await self.bus.publish(DropTree(flip_id, include_locked=True, weights_changed=True))
         dropped = await self._next(sub, flip_id, TreeDropped, self.load_timeout_s)
         message = done.message
         if not dropped.ok:  # nothing copies KV here; say so if something did

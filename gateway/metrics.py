@@ -8,7 +8,8 @@ scheduler's periodic `SchedulerStats`. The KV cache's pages per tier and state, 
 copies between tiers, come from the cache manager's `CacheStats` under `shunter:*`
 names (SGLang exports no such set): `shunter:kv_pages{tier,state}`,
 `shunter:prefix_hit_tokens_total{tier}`, `shunter:kv_pages_copied_total{direction}`,
-`shunter:kv_copies_failed_total` and `shunter:kv_pages_evicted_total`.
+`shunter:kv_copies_failed_total` and `shunter:kv_pages_evicted_total`; with a file
+store, `shunter:store_blocks` and `shunter:store_blocks_copied_total{direction}`.
 """
 
 from __future__ import annotations
@@ -248,8 +249,11 @@ class Metrics:
             ]
         family("shunter:kv_pages", "gauge", "KV cache pages by tier and state.", pages)
         hits = [('tier="device"', c.num_hit_tokens - c.num_host_hit_tokens)]
-        if host:
-            hits.append(('tier="host"', c.num_host_hit_tokens))
+        store = c.num_store_blocks > 0 or c.num_stored_blocks > 0
+        if host:  # (tokens read back from the file store reach the device through the host)
+            hits.append(('tier="host"', max(c.num_host_hit_tokens - c.num_store_hit_tokens, 0)))
+        if store:
+            hits.append(('tier="store"', c.num_store_hit_tokens))
         family(
             "shunter:prefix_hit_tokens_total",
             "counter",
@@ -270,7 +274,23 @@ class Metrics:
                 "shunter:kv_copies_failed_total",
                 "counter",
                 "Copies between the KV tiers that failed.",
-                [("", c.num_copies_failed)],
+                [("", c.num_copies_failed + c.num_store_copies_failed)],
+            )
+        if store:
+            family(
+                "shunter:store_blocks",
+                "gauge",
+                "Blocks the file store below the host tier holds.",
+                [("", c.num_store_blocks)],
+            )
+            family(
+                "shunter:store_blocks_copied_total",
+                "counter",
+                "Blocks written to the file store and read back from it.",
+                [
+                    ('direction="to_store"', c.num_stored_blocks),
+                    ('direction="from_store"', c.num_fetched_blocks),
+                ],
             )
         family(
             "shunter:kv_pages_evicted_total",

@@ -138,6 +138,15 @@ def draw_seed(a: ServerArgs) -> int:
     return a.random_seed if a.random_seed is not None else int.from_bytes(os.urandom(8)) >> 1
 
 
+def storage_dir(a: ServerArgs) -> str:
+    """The file store's root with --hicache-storage-backend file ("" without): the
+    flag, else SGLang's SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else /tmp/hicache."""
+    if a.hicache_storage_backend != "file":
+        return ""
+    return (a.hicache_storage_dir
+            or os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR") or "/tmp/hicache")  # fmt: skip
+
+
 def _executor_facts(ready: Mapping[str, Ready]) -> dict[str, Any]:
     info = ready[EXECUTOR_ID].info
     eos = str(info.get("eos_token_ids", ""))
@@ -147,6 +156,8 @@ def _executor_facts(ready: Mapping[str, Ready]) -> dict[str, Any]:
         "max_context_len": int(info["max_context_len"]),
         "vocab_size": int(info["vocab_size"]),
         "num_host_pages": int(info.get("num_host_pages", 0)),
+        "store_block_tokens": int(info.get("store_block_tokens", 0)),
+        "store_path": str(info.get("store_path", "")),
         "eos_token_ids": tuple(int(t) for t in eos.split(",") if t.strip()),
     }
 
@@ -183,6 +194,7 @@ def build_config(spec: ActorSpec, a: ServerArgs, ready: Mapping[str, Ready], see
                 model_overrides=json.loads(a.json_model_override_args or "{}"),
                 enable_hierarchical_cache=a.enable_hierarchical_cache,
                 hicache_ratio=a.hicache_ratio, hicache_size=float(a.hicache_size),
+                hicache_storage_dir=storage_dir(a),
             )  # fmt: skip
         case "tokenizer":
             from shunter.actors.tokenizer.config import TokenizerConfig
@@ -208,6 +220,7 @@ def build_config(spec: ActorSpec, a: ServerArgs, ready: Mapping[str, Ready], see
                 page_size=facts["page_size"], disable_radix_cache=a.disable_radix_cache,
                 eviction_policy=a.radix_eviction_policy,
                 num_host_pages=facts["num_host_pages"], write_policy=a.hicache_write_policy,
+                store_block_tokens=facts["store_block_tokens"], store_path=facts["store_path"],
             )  # fmt: skip
         case "scheduler":
             from shunter.actors.scheduler.config import from_server_args

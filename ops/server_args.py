@@ -135,6 +135,12 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     hicache_size: int = 0
     """Host KV pool size in GB (overrides hicache_ratio when > 0)."""
     hicache_write_policy: str = "write_through"
+    hicache_storage_backend: str | None = None
+    """"file": a content-keyed file store below the host tier (needs it)."""
+    hicache_storage_dir: str | None = None
+    """The file store's root (default: $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else
+    /tmp/hicache)."""
+    hicache_storage_prefetch_policy: str = "wait_complete"
 
     # parallelism
     tp_size: int = 1
@@ -250,6 +256,17 @@ def _problems(a: ServerArgs) -> list[str]:
         out.append(f"{flag('hicache_ratio')}: must be > 0")
     if a.hicache_size < 0:
         out.append(f"{flag('hicache_size')}: must be >= 0 (GB; 0 uses --hicache-ratio)")
+    if a.hicache_storage_backend is not None:
+        if a.hicache_storage_backend != "file":
+            out.append(f"{flag('hicache_storage_backend')}: "
+                       f"{a.hicache_storage_backend!r} is not supported (only 'file' is)")  # fmt: skip
+        if not a.enable_hierarchical_cache:
+            out.append(f"{flag('hicache_storage_backend')}: needs "
+                       "--enable-hierarchical-cache (blocks move through the host tier)")  # fmt: skip
+    if a.hicache_storage_prefetch_policy != "wait_complete":
+        out.append(f"{flag('hicache_storage_prefetch_policy')}: "
+                   f"{a.hicache_storage_prefetch_policy!r} is not supported (only "
+                   "'wait_complete' is: a match waits for its blocks to be read)")  # fmt: skip
     if a.enable_hierarchical_cache and a.disable_radix_cache:
         out.append("--enable-hierarchical-cache: needs the radix cache (drop "
                    "--disable-radix-cache)")  # fmt: skip

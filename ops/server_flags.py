@@ -105,6 +105,15 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("hicache_write_policy", ("--hicache-write-policy",), "memory",
      "when cached pages are copied to the host: write_through (as they are cached), "
      "write_through_selective (once a match reuses them) or write_back (as they are evicted)"),
+    ("hicache_storage_backend", ("--hicache-storage-backend",), "memory",
+     "file: also keep backed-up prefixes in a file store, keyed by content, read back into "
+     "the host tier on a match (and found again by a later server of the same model)"),
+    ("hicache_storage_dir", ("--hicache-storage-dir",), "memory",
+     "the file store's directory (default: $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, "
+     "else /tmp/hicache)"),
+    ("hicache_storage_prefetch_policy", ("--hicache-storage-prefetch-policy",), "memory",
+     "wait_complete: a match waits for its blocks to be read from the file store "
+     "(the only policy)"),
     ("mem_fraction_static", ("--mem-fraction-static", "--gpu-memory-utilization"), "memory",
      "fraction of device memory for weights and KV pool"),
     ("page_size", ("--page-size", "--block-size"), "memory", "tokens per KV page"),
@@ -171,8 +180,6 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--enable-dp-attention",): "data-parallel attention is not supported yet",
     ("--hicache-io-backend", "--hicache-mem-layout"): "choosing the host KV tier's copy "
     "path or layout is not supported (it copies by index over all layers, layer first)",
-    ("--hicache-storage-backend", "--hicache-storage-prefetch-policy"): "the storage "
-    "tier of the hierarchical cache is not supported yet (the host-memory tier is)",
     ("--attention-context-parallel-size", "--attn-cp-size"): "context parallelism is not "
     "supported yet",
     ("--moe-data-parallel-size", "--moe-dp-size"): "MoE models are not supported yet",

@@ -43,6 +43,14 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     SELECTIVE_HITS times, so pages used once do not cost a copy) or "write_back" (when
     device eviction takes them: the grant that asked waits for the copy)."""
 
+    store_block_tokens: int = 0
+    """Tokens per block of the file store below the host tier (store_tier.py), a
+    multiple of page_size; 0: no file store. Needs the host tier."""
+
+    store_path: str = ""
+    """The file store's directory (the executor's, for this model and layout), which
+    the shell lists at start; the core never reads it."""
+
     actor_id: str = "cache"
     """This instance's id on the bus."""
 
@@ -63,6 +71,14 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"write_policy {self.write_policy!r} is not supported "
                 f"(choose from {', '.join(WRITE_POLICIES)})"
             )
+        if self.store_block_tokens and (
+            self.store_block_tokens < 0
+            or self.store_block_tokens % self.page_size
+            or not self.num_host_pages
+        ):
+            raise ValueError(f"store_block_tokens must be a multiple of page_size "
+                             f"({self.page_size}) with a host tier, got "
+                             f"{self.store_block_tokens!r}")  # fmt: skip
         if not self.actor_id:
             raise ValueError("actor_id must not be empty")
 
@@ -81,6 +97,8 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
             "emit_kv_events": int(self.emit_kv_events),
             "num_host_pages": self.num_host_pages,
             "write_policy": self.write_policy,
+            "store_block_tokens": self.store_block_tokens,
+            "store_path": self.store_path,
         }
 
     @classmethod
@@ -95,6 +113,8 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
                 emit_kv_events=bool(int(info.get("emit_kv_events", 1))),
                 num_host_pages=int(info.get("num_host_pages", 0)),
                 write_policy=str(info.get("write_policy", "write_through")),
+                store_block_tokens=int(info.get("store_block_tokens", 0)),
+                store_path=str(info.get("store_path", "")),
                 actor_id=actor_id,
             )
         except KeyError as e:

@@ -34,6 +34,13 @@ Theory of operation
     that of any match reaching pages still loading, waits for the PagesLoaded. A failed
     load leaves its nodes invalid and matches its waiters again.
 
+    File store (config.store_block_tokens > 0, with a host tier; its books in
+    store_tier.py). A landed backup writes the whole blocks it completes to the store
+    (StorePages); a match short of what the store holds of its tokens reads those
+    blocks into host pages under a new host-only leaf (FetchPages) and is matched again
+    once PagesFetched comes, loading them like any host-only prefix. StoreListed (from
+    the shell at start) tells the core what an earlier run left there.
+
     DropTree reclaims every page of the tree (differenced against the free set), locked
     ones too when include_locked; without include_locked (/flush_cache) it is refused
     while any node is locked, i.e. while any request is waiting or running (as SGLang
@@ -69,6 +76,7 @@ from shunter.actors.cache_manager.config import SELECTIVE_HITS, CacheConfig
 from shunter.actors.cache_manager.host_tier import HostTier
 from shunter.actors.cache_manager.radix import EvictedBlock, Node, RadixTree
 from shunter.actors.cache_manager.stats import CacheStatistics, cache_stats, device_census, refusal
+from shunter.actors.cache_manager.store_tier import StoreTier
 from shunter.bus.messages import (
     AllBlocksCleared,
     BlockRemoved,
@@ -82,12 +90,16 @@ from shunter.bus.messages import (
     LeaseReturned,
     Matched,
     Msg,
+    PagesEvictable,
+    PagesFetched,
     PagesLoaded,
     PagesSpilled,
+    PagesStored,
     RefreshMatch,
     RequestFailed,
     SchedulerCensus,
     SequenceReleased,
+    StoreListed,
     Tick,
     Tokenized,
     TreeDropped,
@@ -95,7 +107,8 @@ from shunter.bus.messages import (
 
 Inbox = (
     Tokenized | RefreshMatch | LeaseRequest | LeaseReturned | ChunkCached | SequenceReleased
-    | SchedulerCensus | DropTree | PagesSpilled | PagesLoaded | Tick
+    | SchedulerCensus | DropTree | PagesSpilled | PagesLoaded | PagesStored | PagesFetched
+    | StoreListed | Tick
 )  # fmt: skip
 INBOX_TYPES: tuple[type[Msg], ...] = Inbox.__args__  # type: ignore[attr-defined]
 
@@ -143,6 +156,10 @@ class CacheManagerCore:
         self.ledger = PageLedger(config.num_pages)
         self.host = (HostTier(config.num_host_pages, config.page_size, config.write_policy)
                      if config.num_host_pages else None)  # fmt: skip
+        self.store = (StoreTier(config.store_block_tokens, config.page_size)
+                      if self.host is not None and config.store_block_tokens else None)  # fmt: skip
+        if self.host is not None and self.store is not None:
+            self.host.keep = self.store.keep
         self.tree = RadixTree(config.page_size,
                               hash_blocks=config.emit_kv_events or self.host is not None,
                               eviction_policy=config.eviction_policy)  # fmt: skip
@@ -189,6 +206,16 @@ class CacheManagerCore:
                 return self._on_spilled(msg)
             case PagesLoaded():
                 return self._on_loaded(msg)
+            case PagesStored():
+                if self.store is None or not self.store.stored(msg):
+                    return []
+                return self._drop_when_idle(self._relief(len(msg.keys)))
+            case PagesFetched():
+                return self._on_fetched(msg)
+            case StoreListed(keys=keys):
+                if self.store is not None:
+                    self.store.listed(keys)
+                return []
         raise TypeError(f"cache manager core cannot handle {type(msg).__name__}")
 
     # -- matching -----------------------------------------------------------------
@@ -217,6 +244,19 @@ class CacheManagerCore:
                                 through_host=host is not None)  # fmt: skip
         out: list[Msg] = []
         node, pages = found.node, found.pages
+        if host is not None and self.store is not None:  # (read the store into the host)
+            waits = self.store.waiting_on(node)
+            if not waits:
+                fetch = self.store.fetch(self.tree, host, node, found.num_tokens, key[:limit],
+                                         lambda b: self._release_blocks(b, out))  # fmt: skip
+                if fetch is not None:
+                    out.append(fetch)
+                    waits = {fetch.copy_id}
+            if waits:  # matched again once the blocks are in host pages
+                for cid in waits:
+                    req.waiting.add(cid)
+                    host.waiters[cid][req.tokenized.request_id] = None
+                return out
         if host is not None and found.num_tokens > len(pages) * self.page_size:
             node, load = host.load(self.tree, self.ledger, node,
                                    lambda keep, n: self._make_room(keep, n, out))  # fmt: skip
@@ -299,10 +339,15 @@ class CacheManagerCore:
 
     def _on_spilled(self, msg: PagesSpilled) -> list[Msg]:
         host = self.host
+        node = host.write_nodes.get(msg.copy_id) if host is not None else None
         out = host.spilled(self.tree, msg) if host is not None else None
         if out is None:  # not a backup of ours (or answered twice)
             return []
-        assert host is not None
+        assert host is not None and node is not None
+        if msg.ok and self.store is not None and not self._drops:
+            store = self.store.after_backup(self.tree, host, node)
+            if store is not None:
+                out.append(store)
         for rid in host.waiters.pop(msg.copy_id, {}):  # matches waiting for room (write_back)
             out += self._match_again(self.requests[rid], msg.copy_id)
         self._drop_when_idle(out)
@@ -336,11 +381,37 @@ class CacheManagerCore:
         self._drop_when_idle(out)
         return out
 
-    def _drop_when_idle(self, out: list[Msg]) -> None:
-        if self._drops and not (self.host is not None and self.host.busy):
+    def _on_fetched(self, msg: PagesFetched) -> list[Msg]:
+        host, store = self.host, self.store
+        rids = store.fetched(self.tree, host, msg) if host and store else None
+        if rids is None:
+            return []
+        assert host is not None
+        out = self._relief(len(msg.keys))
+        for rid in rids:
+            out += self._match_again(self.requests[rid], msg.copy_id)
+        return self._drop_when_idle(out)
+
+    def _relief(self, num: int) -> list[Msg]:
+        """A store copy ended: eviction may have skipped a leaf for it, and a short
+        grant then awaits this (as for a backup, host_tier.py)."""
+        if self.host is None or not self.host.owe_relief:
+            return []
+        self.host.owe_relief = False
+        return [PagesEvictable(num)]
+
+    @property
+    def _copying(self) -> bool:
+        return (self.host is not None and self.host.busy) or (
+            self.store is not None and self.store.busy
+        )
+
+    def _drop_when_idle(self, out: list[Msg]) -> list[Msg]:
+        if self._drops and not self._copying:
             drops, self._drops = self._drops, []
             for d in drops:
                 out += self._drop(d)
+        return out
 
     # -- leases -------------------------------------------------------------------
 
@@ -494,7 +565,7 @@ class CacheManagerCore:
         return out
 
     def _on_drop(self, msg: DropTree) -> list[Msg]:
-        if self.host is not None and self.host.busy:
+        if self._copying:
             self._num_deferred += 1
             self._drops.append(msg)
             return []
@@ -515,13 +586,15 @@ class CacheManagerCore:
                 req.node = None
         tree.clear()
         self.ledger.free(reclaim)
+        if self.store is not None:
+            self.store.drop(msg.weights_changed)
         out: list[Msg] = [AllBlocksCleared()] if self.config.emit_kv_events else []
         out.append(TreeDropped(msg.flip_id, len(reclaim), True, "", tree.version))
         return out
 
     def _on_tick(self) -> list[Msg]:
         """The figures for /metrics, when they changed since the last Tick."""
-        stats = cache_stats(self.ledger, self.host, self._num_queried, self._num_hit,
+        stats = cache_stats(self.ledger, self.host, self.store, self._num_queried, self._num_hit,
                             self._num_evicted)  # fmt: skip
         if stats == self._last_stats:
             return []
@@ -541,7 +614,8 @@ class CacheManagerCore:
             num_locked_pages=self.tree.num_locked_pages,
             num_requests=len(self.requests),
             num_leases_in_flight=sum(self._leases_in_flight.values()),
-            num_copies_in_flight=len(self.host.writes) + len(self.host.loads) if self.host else 0,
+            num_copies_in_flight=(len(self.host.writes) + len(self.host.loads) if self.host else 0)
+            + (len(self.store.stores) if self.store else 0),
             tree_version=self.tree.version,
             num_matches=self._num_matches,
             num_queried_tokens=self._num_queried,
@@ -555,4 +629,5 @@ class CacheManagerCore:
     def _host_statistics(self) -> dict[str, int]:
         if self.host is None:
             return {}
-        return self.host.statistics(self.tree) | {"num_drops_deferred": self._num_deferred}
+        store = self.store.counters() if self.store is not None else {}
+        return self.host.statistics(self.tree) | store | {"num_drops_deferred": self._num_deferred}

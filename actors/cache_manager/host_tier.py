@@ -23,7 +23,8 @@ Theory of operation
       failed load leaves its nodes invalid (the core matches their waiters again).
 
 Invariants
-    - ledger OUT == the pages of `writes`; ledger TREE + OUT == tree.num_host_pages.
+    - ledger OUT == the pages of `writes` (backups, and the file store's reads:
+      store_tier.py); ledger TREE + OUT == tree.num_host_pages.
     - `page_load` maps exactly the device pages of `loads`; every load has a waiters
       entry (possibly empty) until it is answered.
 """
@@ -60,6 +61,10 @@ class HostTier:
         # write_back when a match waits for room
         self.waiters: dict[int, dict[str, None]] = {}
         self.blocked = False  # the last eviction skipped a leaf whose backup is in flight
+        # the leaves eviction must not take out of the tree (a file store copy uses host
+        # pages under them: store_tier.py), when there is a file store
+        self.keep: Callable[[Node], bool] | None = None
+        self.write_nodes: dict[int, Node] = {}  # backup copy id -> the node backed up
         self.owe_relief = False  # a short grant awaits a backup landing (PagesEvictable)
         self.num_host_hit = self.num_spilled = self.num_loaded = self.num_demoted = 0
         self.num_skipped = self.num_failed = 0
@@ -68,7 +73,7 @@ class HostTier:
     def busy(self) -> bool:
         return bool(self.writes or self.loads)
 
-    def _copy_id(self) -> int:
+    def next_copy_id(self) -> int:
         cid = self.next_copy
         self.next_copy += 1
         return cid
@@ -81,11 +86,17 @@ class HostTier:
             if self.write_back and leaf.valid and back_up(leaf):
                 self.blocked = True
                 return "wait"
-            return "drop"
+            return self._drop_unless_kept(leaf)
         if any(self.ledger.owner[h] == OUT for h in leaf.host_pages):
             self.blocked = True
             return "wait" if self.write_back else "skip"
-        return "demote" if leaf.valid else "drop"
+        return "demote" if leaf.valid else self._drop_unless_kept(leaf)
+
+    def _drop_unless_kept(self, leaf: Node) -> str:
+        if self.keep is not None and self.keep(leaf):
+            self.blocked = True
+            return "skip"
+        return "drop"
 
     def backup(self, tree: RadixTree, node: Node,
                release: Callable[[list[EvictedBlock]], object]) -> SpillPages | None:  # fmt: skip
@@ -95,14 +106,15 @@ class HostTier:
             return None
         n = len(node.pages)
         if self.ledger.num_free < n:
-            release(tree.evict_host(n - self.ledger.num_free))
+            release(tree.evict_host(n - self.ledger.num_free, keep=self.keep))
             if self.ledger.num_free < n:
                 self.num_skipped += 1
                 return None
         host_pages = self.ledger.take(n)
         tree.set_host_pages(node, host_pages)
-        cid = self._copy_id()
+        cid = self.next_copy_id()
         self.writes[cid] = host_pages
+        self.write_nodes[cid] = node
         return SpillPages(cid, list(node.hashes), list(node.pages), host_pages)
 
     def load(self, tree: RadixTree, device: PageLedger, node: Node,
@@ -134,7 +146,7 @@ class HostTier:
             loaded.append(n)
         if not loaded:
             return node, None
-        cid = self._copy_id()
+        cid = self.next_copy_id()
         pages: list[int] = []
         for n in loaded:
             taken = device.take(len(n.host_pages))
@@ -158,9 +170,10 @@ class HostTier:
 
     def spilled(self, tree: RadixTree, msg: PagesSpilled) -> list[Msg] | None:
         """A backup's reply; None when it answers no backup of ours."""
-        host_pages = self.writes.pop(msg.copy_id, None)
-        if host_pages is None:
-            return None
+        if msg.copy_id not in self.write_nodes:
+            return None  # (a fetch's pages are in writes too: store_tier.py)
+        host_pages = self.writes.pop(msg.copy_id)
+        del self.write_nodes[msg.copy_id]
         out: list[Msg] = []
         if self.owe_relief:  # landed or not, its pages can be evicted now
             self.owe_relief = False

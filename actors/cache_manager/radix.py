@@ -224,6 +224,10 @@ class RadixTree:
             node = child
         return MatchResult(node, pages, pos)
 
+    def child(self, node: Node, tokens: list[int], pos: int) -> Node | None:
+        """node's child whose edge starts with the page of tokens at pos, if any."""
+        return node.children.get(self._child_key(tokens, pos))
+
     def path_pages(self, node: Node) -> list[int]:
         """The pages from the root down to node (the tokens node's path covers)."""
         parts: list[list[int]] = []
@@ -301,6 +305,28 @@ class RadixTree:
         self.num_pages += len(leaf.pages)
         self.version += 1
         return InsertResult(leaf, num_cached, found.pages, leaf)
+
+    def add_host_leaf(self, parent: Node, tokens: list[int], host_pages: list[int]) -> Node:
+        """A new host-only leaf under parent (a node of the tree, or a root) holding
+        tokens (whole pages, none of them a child's first) in host_pages."""
+        ps = self.page_size
+        assert tokens and len(tokens) == len(host_pages) * ps
+        assert self.child(parent, tokens, 0) is None
+        leaf = self._new_node(parent.namespace, parent)
+        leaf.key = list(tokens)
+        leaf.host_pages = list(host_pages)
+        leaf.last_access = self.now
+        if self.hash_blocks:
+            prev = parent.hashes[-1] if parent.hashes else None
+            for i in range(0, len(tokens), ps):
+                prev = block_hash(prev, tokens[i : i + ps], parent.namespace)
+                leaf.hashes.append(prev)
+        parent.children[self._child_key(tokens, 0)] = leaf
+        self.host_leaves.discard(parent)
+        self.host_leaves.add(leaf)
+        self.num_host_pages += len(host_pages)
+        self.version += 1
+        return leaf
 
     def attach(self, node: Node, pages: list[int]) -> None:
         """Give a host-only node device pages again (a load-back, or an insert of the
@@ -386,10 +412,12 @@ class RadixTree:
                 del self.roots[parent.namespace]  # empty namespace: forget its root
         return out
 
-    def evict_host(self, num_pages: int) -> list[EvictedBlock]:
+    def evict_host(self, num_pages: int,
+                   keep: Callable[[Node], bool] | None = None) -> list[EvictedBlock]:  # fmt: skip
         """Remove unlocked host-only leaves until at least num_pages host pages came
-        out or none is left, in the order `evict` uses. (A host-only node is locked
-        while a load that reaches it makes room on the device.)"""
+        out or none is left, in the order `evict` uses, except those `keep` names. (A
+        host-only node is locked while a load that reaches it makes room on the
+        device; `keep` names those whose host pages a file store copy uses.)"""
         heap = [self._evict_key(n) for n in self.host_leaves]
         heapq.heapify(heap)
         out: list[EvictedBlock] = []
@@ -398,7 +426,7 @@ class RadixTree:
             leaf = heapq.heappop(heap)[-1]
             parent = leaf.parent
             assert parent is not None and leaf.host_only and not leaf.children
-            if leaf.lock_ref:
+            if leaf.lock_ref or (keep is not None and keep(leaf)):
                 continue
             out.append(self._remove(leaf))
             freed += len(out[-1].host_pages)

@@ -14,6 +14,7 @@ from shunter.bus.messages import CacheStats, Census, CensusBroken, FreeRefused, 
 if TYPE_CHECKING:
     from shunter.actors.cache_manager.allocator import PageLedger
     from shunter.actors.cache_manager.host_tier import HostTier
+    from shunter.actors.cache_manager.store_tier import StoreTier
 
 
 class CacheStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -48,17 +49,25 @@ class CacheStatistics(msgspec.Struct, frozen=True, kw_only=True):
     num_backups_skipped: int = 0  # no host room even after host eviction
     num_copies_failed: int = 0
     num_drops_deferred: int = 0  # DropTree held until the copies in flight were done
+    # the file store below the host tier (all 0 when it is off)
+    num_store_blocks: int = 0  # blocks it holds, as far as this process knows
+    num_stored_blocks: int = 0  # written by this process
+    num_fetched_blocks: int = 0  # read back into host pages
+    num_store_hit_tokens: int = 0  # matched tokens read back from it
+    num_store_copies_failed: int = 0
 
     @property
     def hit_rate(self) -> float:
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
 
 
-def cache_stats(ledger: PageLedger, host: HostTier | None, num_queried: int, num_hit: int,
-                num_evicted: int) -> CacheStats:  # fmt: skip
+def cache_stats(ledger: PageLedger, host: HostTier | None, store: StoreTier | None,
+                num_queried: int, num_hit: int, num_evicted: int) -> CacheStats:  # fmt: skip
     """The core's figures for /metrics (bus/messages/cache.py CacheStats)."""
     counts = ledger.counts
     tier = host.counters() if host is not None else {}
+    if store is not None:
+        tier |= store.counters()
     return CacheStats(
         num_pages=ledger.num_pages, num_free=counts[FREE], num_in_tree=counts[TREE],
         num_queried_tokens=num_queried, num_hit_tokens=num_hit, num_evicted_pages=num_evicted,

@@ -33,9 +33,11 @@ batches with the first rows of a weight, named as in HF checkpoints. SpillPages 
 LoadPages (the cache manager's host KV tier) are started between batches in a worker
 thread (`ExecutorCore.copy`) without flushing the step in flight: on CUDA they run on
 copy streams behind the forwards queued so far, on the CPU a forward is done when
-submit returns. A copy is answered (PagesSpilled / PagesLoaded) once it has finished:
-on the CPU before the next message is taken, on CUDA when its event completes, which
-the loop waits for beside the next message and the step in flight. ProfileStart and
+submit returns. StorePages and FetchPages (the file store below the host tier) run on
+the file store's own thread. A copy is answered (PagesSpilled, PagesLoaded,
+PagesStored, PagesFetched) once it has finished: a CPU spill or load before the next
+message is taken, the rest when its event or future completes, which the loop waits
+for beside the next message and the step in flight. ProfileStart and
 ProfileStop (the gateway's /start_profile, /stop_profile) start and end a
 torch.profiler session between batches (profiling.py); a session asked for a number
 of steps ends by itself once that many results are published.
@@ -46,7 +48,7 @@ a failure to load is actor-scoped: LoadError propagates to the supervisor.
 Invariants: batches and copies enter the core one at a time, in arrival order (the
 core's mirror depends on that order); the core never runs on the event loop's thread;
 every ForwardBatch gets exactly one StepResult, published in arrival order, and every
-SpillPages / LoadPages exactly one reply, likewise.
+page copy exactly one reply.
 """
 
 from __future__ import annotations
@@ -62,17 +64,16 @@ import torch
 
 from shunter.actors.executor.build import build_core
 from shunter.actors.executor.config import ExecutorConfig
-from shunter.actors.executor.core import ExecutorCore
+from shunter.actors.executor.core import Copy, CopyReply, ExecutorCore
 from shunter.actors.executor.loader import LoadError
 from shunter.actors.executor.memory import DeviceMemory
 from shunter.actors.executor.profiling import Profiler
 from shunter.actors.executor.reload import reload_weights
 from shunter.bus.messages import (
+    FetchPages,
     ForwardBatch,
     LoadPages,
     MemoryState,
-    PagesLoaded,
-    PagesSpilled,
     ProfileStart,
     ProfileStop,
     Ready,
@@ -80,6 +81,7 @@ from shunter.bus.messages import (
     ResumeMemory,
     SpillPages,
     StepResult,
+    StorePages,
     UpdateWeights,
     WeightsQuery,
     WeightsSlice,
@@ -91,9 +93,9 @@ from shunter.bus.transport import Bus
 log = structlog.get_logger(actor="executor")
 
 INBOX = (ForwardBatch, UpdateWeights, ReleaseMemory, ResumeMemory, ProfileStart, ProfileStop,
-         WeightsQuery, SpillPages, LoadPages)  # fmt: skip
+         WeightsQuery, SpillPages, LoadPages, StorePages, FetchPages)  # fmt: skip
 Inbound = (ForwardBatch | UpdateWeights | ReleaseMemory | ResumeMemory | ProfileStart
-           | ProfileStop | WeightsQuery | SpillPages | LoadPages)  # fmt: skip
+           | ProfileStop | WeightsQuery | Copy)  # fmt: skip
 MAX_WEIGHT_VALUES = 1 << 22  # the most values one WeightsSlice carries
 FLIPS = (UpdateWeights, ReleaseMemory, ResumeMemory)  # come when nothing runs
 
@@ -114,6 +116,8 @@ def ready_info(core: ExecutorCore) -> dict[str, int | float | str]:
         "cuda_graph_max_bs": runner.graphs.max_bs if runner.graphs is not None else 0,
         "max_num_rows": core.max_num_rows,
         "num_host_pages": core.host_pool.num_pages if core.host_pool is not None else 0,
+        "store_block_tokens": core.file_store.block_tokens if core.file_store else 0,
+        "store_path": str(core.file_store.path) if core.file_store else "",
     }
 
 
@@ -152,7 +156,7 @@ async def _serve(core: ExecutorCore, config: ExecutorConfig, sub: Subscription, 
             await bus.publish(await anyio.to_thread.run_sync(prof.handle, batch))
         elif isinstance(batch, WeightsQuery):
             await bus.publish(await anyio.to_thread.run_sync(_weights, core, memory, batch))
-        elif isinstance(batch, SpillPages | LoadPages):
+        elif isinstance(batch, Copy):
             reply = await anyio.to_thread.run_sync(core.copy, batch)
             await _publish_copies(bus, [] if reply is None else [reply])
         else:
@@ -172,7 +176,7 @@ async def _serve(core: ExecutorCore, config: ExecutorConfig, sub: Subscription, 
                 await out.publish(await anyio.to_thread.run_sync(core.flush))
 
 
-async def _publish_copies(bus: Bus, replies: list[PagesSpilled | PagesLoaded]) -> None:
+async def _publish_copies(bus: Bus, replies: list[CopyReply]) -> None:
     for reply in replies:
         if not reply.ok:
             log.warning("page copy failed", copy_id=reply.copy_id, error=reply.error)

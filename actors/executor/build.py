@@ -12,7 +12,10 @@ hold. The runner then captures its decode graphs (a progress bar) unless
 are built before the executor is ready rather than inside a request's step. On a CPU
 the pool is sized from host memory (kv_pool.py) and nothing needs warming. With
 `enable_hierarchical_cache` a host pool (host_pool.py) is sized from the device pool
-(hicache_ratio) or from hicache_size and allocated right after it.
+(hicache_ratio) or from hicache_size and allocated right after it; with
+`hicache_storage_dir` too, a file store (file_store.py) below it, in a directory of
+its own per model, weights and KV layout (`store_fingerprint`), so that a later run of
+the same model finds the blocks an earlier one wrote and no other model ever does.
 
 Invariants: blocking (seconds); the pool is never sized below one page (ValueError
 from KVPool.from_budget says by how much the budget fell short).
@@ -21,6 +24,8 @@ from KVPool.from_budget says by how much the budget fell short).
 from __future__ import annotations
 
 import functools
+import os
+import pathlib
 import time
 
 import structlog
@@ -29,6 +34,7 @@ import torch
 from shunter.actors.executor.config import DEFAULT_CUDA_GRAPH_MAX_BS, ExecutorConfig
 from shunter.actors.executor.core import ExecutorCore
 from shunter.actors.executor.cuda_graph import capture_sizes
+from shunter.actors.executor.file_store import FileStore
 from shunter.actors.executor.host_pool import HostKVPool, host_pool_pages
 from shunter.actors.executor.kv_pool import KVPool
 from shunter.actors.executor.loader import load_model
@@ -36,6 +42,7 @@ from shunter.actors.executor.models.config import ModelConfig
 from shunter.actors.executor.runner import ModelRunner
 from shunter.actors.executor.warmup import warm_up
 from shunter.actors.grammar.token_fsm import GrammarCache, load_token_vocab
+from shunter.actors.model_files import resolve_model
 
 log = structlog.get_logger(actor="executor")
 
@@ -98,6 +105,28 @@ def cuda_kv_budget(
     return budget, {"free": free, "total": total, "keep": keep, "reserved": reserved}
 
 
+STORE_BLOCK_TOKENS = 64  # tokens per file store block, rounded up to whole pages
+
+
+def store_fingerprint(config: ExecutorConfig, mcfg: ModelConfig, pool: KVPool,
+                      block_pages: int) -> str:  # fmt: skip
+    """What a file store block's contents depend on besides its tokens: the weights
+    (the checkpoint's files by name, size and modification time, or a dummy's seed),
+    the model's shape and dtype, and the KV layout."""
+    path = pathlib.Path(resolve_model(config.model_path).path)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    weights = [(str(p.relative_to(path) if path.is_dir() else p.name), st.st_size,
+                st.st_mtime_ns) for p in files if (st := os.stat(p))]  # fmt: skip
+    if config.load_format == "dummy":
+        weights = [("dummy", config.seed)]
+    kv = pool.config
+    return repr((
+        str(path.resolve()), config.load_format, config.weight_format, weights,
+        sorted(config.model_overrides.items()), str(pool.dtype), mcfg.num_layers,
+        kv.num_kv_heads, kv.head_dim, pool.page_size, block_pages,
+    ))  # fmt: skip
+
+
 def build_core(config: ExecutorConfig) -> ExecutorCore:
     """Load the model, size the KV pool, wrap both in a core (blocking; seconds)."""
     if config.num_threads is not None:
@@ -140,6 +169,11 @@ def build_core(config: ExecutorConfig) -> ExecutorCore:
     if config.enable_hierarchical_cache:
         num_host = host_pool_pages(pool, config.hicache_ratio, config.hicache_size)
         host_pool = HostKVPool(num_host, like=pool)
+    file_store = None
+    if host_pool is not None and config.hicache_storage_dir:
+        block_pages = -(-STORE_BLOCK_TOKENS // pool.page_size)
+        file_store = FileStore(config.hicache_storage_dir, host_pool, block_pages,
+                               store_fingerprint(config, mcfg, pool, block_pages))  # fmt: skip
     t1 = time.perf_counter()
     runner = ModelRunner(
         model,
@@ -161,6 +195,7 @@ def build_core(config: ExecutorConfig) -> ExecutorCore:
             functools.partial(load_token_vocab, config.model_path, config.tokenizer_path)
         ),
         host_pool=host_pool,
+        file_store=file_store,
     )
     t2 = time.perf_counter()
     if on_cuda and not config.skip_server_warmup:  # first-use builds now, not in a request

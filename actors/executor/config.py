@@ -78,6 +78,9 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Host pool pages per device pool page."""
     hicache_size: float = 0.0
     """GB of host memory for the host pool; 0: use hicache_ratio."""
+    hicache_storage_dir: str = ""
+    """With the host tier: a directory for the file store below it (file_store.py),
+    which StorePages and FetchPages write and read; "": none."""
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -93,22 +94,44 @@ from shunter.actors.executor.sampling import (
 )
 from shunter.actors.executor.slot_table import SLICE_MAX_ENTRIES, device_tensor, long_tensor
 from shunter.bus.messages import (
+    FetchPages,
     ForwardBatch,
     LoadPages,
     Msg,
+    PagesFetched,
     PagesLoaded,
     PagesSpilled,
+    PagesStored,
     SpillPages,
     StepResult,
+    StorePages,
     TopLogprob,
 )
 from shunter.kernels.page_layout import to_device
 
 if TYPE_CHECKING:
+    from shunter.actors.executor.file_store import FileStore
     from shunter.actors.executor.host_pool import HostKVPool
     from shunter.actors.grammar.token_fsm import TokenFsm
 
 Inbox = ForwardBatch
+Copy = SpillPages | LoadPages | StorePages | FetchPages
+CopyReply = PagesSpilled | PagesLoaded | PagesStored | PagesFetched
+_REPLY: dict[type, type] = {SpillPages: PagesSpilled, LoadPages: PagesLoaded,
+                            StorePages: PagesStored, FetchPages: PagesFetched}  # fmt: skip
+
+
+class _FileDone:
+    """A file store copy's future, as the copies in flight are waited for (an event)."""
+
+    def __init__(self, fut: Future[None]) -> None:
+        self.fut = fut
+
+    def query(self) -> bool:
+        return self.fut.done()
+
+    def synchronize(self) -> None:
+        self.fut.result()
 
 
 class ExecutorStats(msgspec.Struct, frozen=True):
@@ -147,9 +170,11 @@ class ExecutorCore:
         max_num_rows: int = 4096,
         grammars: Callable[[str], TokenFsm] | None = None,
         host_pool: HostKVPool | None = None,
+        file_store: FileStore | None = None,
     ) -> None:
         self.runner = runner
         self.host_pool = host_pool  # the host KV tier; None: off
+        self.file_store = file_store  # the file store below it; None: off
         # pattern -> its token automaton (constrained decoding); None: regex refused
         self.grammars = grammars
         self.page_size: int = runner.kv_pool.page_size
@@ -169,7 +194,7 @@ class ExecutorCore:
         self._last_tokens = torch.zeros(max_num_rows, dtype=torch.int64, device=device)
         self._inflight: _InFlight | None = None
         # copies running on the device, oldest first: (done event, their reply)
-        self._copies: deque[tuple[torch.cuda.Event, PagesSpilled | PagesLoaded]] = deque()
+        self._copies: deque[tuple[torch.cuda.Event | _FileDone, CopyReply]] = deque()
         self._last_error: str | None = None
         self.reset_statistics()
 
@@ -214,19 +239,27 @@ class ExecutorCore:
         prev, self._inflight = self._inflight, None
         return [] if prev is None else [self._finish(prev)]
 
-    def copy(self, msg: SpillPages | LoadPages) -> PagesSpilled | PagesLoaded | None:
-        """Run a spill or load (host_pool.py) and answer it, or None for a copy still
-        running on the device (copies_done() answers it); never raises: a refused or
-        failed copy is answered with ok=False and why."""
-        reply = PagesSpilled if isinstance(msg, SpillPages) else PagesLoaded
+    def copy(self, msg: Copy) -> CopyReply | None:
+        """Run a spill or load (host_pool.py), or a file store write or fetch
+        (file_store.py, on its worker thread), and answer it, or None for a copy still
+        running (copies_done() answers it); never raises: a refused or failed copy is
+        answered with ok=False and why."""
+        reply = _REPLY[type(msg)]
         try:
             if self.host_pool is None:
                 raise ValueError("the host KV tier is off")
             pool = self.runner.kv_pool
+            done: torch.cuda.Event | _FileDone | None
             if isinstance(msg, SpillPages):
                 done = self.host_pool.spill(pool, msg.device_pages, msg.host_pages)
-            else:
+            elif isinstance(msg, LoadPages):
                 done = self.host_pool.load(pool, msg.host_pages, msg.device_pages)
+            elif self.file_store is None:
+                raise ValueError("the file store is off")
+            elif isinstance(msg, StorePages):
+                done = _FileDone(self.file_store.write(msg.keys, msg.host_pages))
+            else:
+                done = _FileDone(self.file_store.fetch(msg.keys, msg.skip, msg.host_pages))
         except Exception as e:
             return reply(msg.copy_id, msg.keys, ok=False, error=_why(e))
         if done is None:
@@ -234,10 +267,10 @@ class ExecutorCore:
         self._copies.append((done, reply(msg.copy_id, msg.keys)))
         return None
 
-    def copies_done(self, wait: bool = False) -> list[PagesSpilled | PagesLoaded]:
-        """The replies of the copies that have finished on the device, oldest first
-        (with `wait`: of every copy, blocking until they have). A load does not wait for
-        an older spill: each direction has its own stream."""
+    def copies_done(self, wait: bool = False) -> list[CopyReply]:
+        """The replies of the copies that have finished, oldest first (with `wait`: of
+        every copy, blocking until they have). A load does not wait for an older spill:
+        each direction has its own stream (and the file store its own thread)."""
         out, running = [], deque()
         for done, reply in self._copies:
             try:

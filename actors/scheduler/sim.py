@@ -33,6 +33,7 @@ from shunter.bus.messages import (
     Census,
     CensusBroken,
     ChunkCached,
+    FetchPages,
     ForwardBatch,
     FreeRefused,
     LeaseGranted,
@@ -42,8 +43,10 @@ from shunter.bus.messages import (
     Matched,
     Msg,
     PagesEvictable,
+    PagesFetched,
     PagesLoaded,
     PagesSpilled,
+    PagesStored,
     RefreshMatch,
     RequestFailed,
     RequestOutput,
@@ -51,6 +54,7 @@ from shunter.bus.messages import (
     SequenceReleased,
     SpillPages,
     StepResult,
+    StorePages,
     Tokenized,
     TokensOut,
 )
@@ -97,6 +101,8 @@ class SimExecutor:
         self.kv: dict[int, int] = {}  # slot -> token id written there
         self.readers: dict[int, set[int]] = {}  # page -> live rows whose table holds it
         self.host_kv: dict[int, int | None] = {}  # host slot -> token id a spill put there
+        self.store: dict[int, list[int | None]] = {}  # file store: key -> its slots' tokens
+        self.block_pages = 0  # pages per file store block (set by Cluster)
         self.clobbered: dict[int, int] = {}  # row -> a page of its a load wrote into
         self.num_steps = 0
         self.num_copies = 0
@@ -104,10 +110,14 @@ class SimExecutor:
     def _fail(self, why: str) -> None:
         raise ProtocolError(why)
 
-    def copy(self, m: SpillPages | LoadPages) -> PagesSpilled | PagesLoaded:
-        """A host-tier copy, page for page, every slot of each page."""
+    def copy(self, m: SpillPages | LoadPages | StorePages | FetchPages
+             ) -> PagesSpilled | PagesLoaded | PagesStored | PagesFetched:  # fmt: skip
+        """A host-tier copy, page for page, every slot of each page; or a file store
+        write or read, block by block."""
         self.num_copies += 1
         ps = self.page_size
+        if isinstance(m, StorePages | FetchPages):
+            return self._store_copy(m)
         if isinstance(m, SpillPages):
             for d, h in zip(m.device_pages, m.host_pages, strict=True):
                 for o in range(ps):
@@ -123,6 +133,22 @@ class SimExecutor:
                 else:
                     self.kv[d * ps + o] = t
         return PagesLoaded(m.copy_id, m.keys)
+
+    def _store_copy(self, m: StorePages | FetchPages) -> PagesStored | PagesFetched:
+        ps, bp = self.page_size, self.block_pages
+        if isinstance(m, StorePages):
+            for i, key in enumerate(m.keys):
+                pages = m.host_pages[i * bp : (i + 1) * bp]
+                self.store.setdefault(key, [self.host_kv.get(h * ps + o)
+                                            for h in pages for o in range(ps)])  # fmt: skip
+            return PagesStored(m.copy_id, m.keys)
+        if any(k not in self.store for k in m.keys):
+            return PagesFetched(m.copy_id, m.keys, ok=False, error="no such block")
+        slots = [t for k in m.keys for t in self.store[k]][m.skip * ps :]
+        for i, h in enumerate(m.host_pages):
+            for o in range(ps):
+                self.host_kv[h * ps + o] = slots[i * ps + o]
+        return PagesFetched(m.copy_id, m.keys)
 
     def handle(self, b: ForwardBatch) -> StepResult:
         self.num_steps += 1
@@ -215,9 +241,10 @@ class SimExecutor:
 
 
 TO_CACHE = (LeaseRequest, LeaseReturned, ChunkCached, SequenceReleased, RefreshMatch,
-            SchedulerCensus, Tokenized, PagesSpilled, PagesLoaded)  # fmt: skip
+            SchedulerCensus, Tokenized, PagesSpilled, PagesLoaded, PagesStored,
+            PagesFetched)  # fmt: skip
 TO_SCHED = (Matched, LeaseGranted, StepResult, PagesEvictable)
-TO_EXE = (ForwardBatch, SpillPages, LoadPages)
+TO_EXE = (ForwardBatch, SpillPages, LoadPages, StorePages, FetchPages)
 
 
 class Cluster:
@@ -233,20 +260,23 @@ class Cluster:
         disable_radix_cache: bool = False,
         num_host_pages: int = 0,
         write_policy: str = "write_through",
+        store_block_tokens: int = 0,
     ) -> None:
         self.sched = SchedulerCore(sched)
         self.cache = CacheManagerCore(
             CacheConfig(num_pages=num_pages, page_size=sched.page_size,
                         disable_radix_cache=disable_radix_cache, emit_kv_events=False,
-                        num_host_pages=num_host_pages, write_policy=write_policy)
+                        num_host_pages=num_host_pages, write_policy=write_policy,
+                        store_block_tokens=store_block_tokens)
         )  # fmt: skip
         self.exe = SimExecutor(
             sched.page_size, num_pages, token_fn or (lambda rid, pos: mix64(pos) % 1000 + 10),
             check_kv=check_kv,
         )  # fmt: skip
+        self.exe.block_pages = store_block_tokens // sched.page_size
         self.to_cache: deque[Msg] = deque()
         self.to_sched: deque[Msg] = deque()
-        self.to_exe: deque[ForwardBatch | SpillPages | LoadPages] = deque()
+        self.to_exe: deque[Msg] = deque()
         self.outputs: dict[str, list[RequestOutput]] = {}
         self.censuses: list[Census] = []
         self.problems: list[Msg] = []  # CensusBroken, FreeRefused

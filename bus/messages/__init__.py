@@ -72,7 +72,17 @@ from shunter.bus.messages.sched import (
     Tick,
     TokensOut,
 )
-from shunter.bus.messages.spill import LoadPages, PagesLoaded, PagesSpilled, SpillPages
+from shunter.bus.messages.spill import (
+    FetchPages,
+    LoadPages,
+    PagesFetched,
+    PagesLoaded,
+    PagesSpilled,
+    PagesStored,
+    SpillPages,
+    StoreListed,
+    StorePages,
+)
 from shunter.bus.messages.tokenizer import (
     DetokenizeQuery,
     DetokenizeReply,
@@ -91,7 +101,8 @@ ALL_MESSAGES: tuple[type[Msg], ...] = (
     SequenceReleased, SchedulerCensus, Census, CensusBroken, FreeRefused, DropTree,
     TreeDropped, BlockStored, BlockRemoved, AllBlocksCleared, PagesEvictable, CacheStats,
     ForwardBatch, StepResult, TokensOut, Tick, SchedulerStats, SchedulerConfigured,
-    SpillPages, PagesSpilled, LoadPages, PagesLoaded,
+    SpillPages, PagesSpilled, LoadPages, PagesLoaded, StorePages, PagesStored, FetchPages,
+    PagesFetched, StoreListed,
     FlipBegin, AdmissionPaused, FlipCutover, FlipDone, FlipQuiesced, UpdateWeights,
     WeightsUpdated, Ready, Heartbeat, HealthPing, HealthPong, ActorDied, Shutdown, BusGap, DecodeFailed,
     ProfileStart, ProfileStop, ProfileStatus, ReleaseMemory, ResumeMemory, MemoryState,
@@ -108,14 +119,15 @@ __all__ = [
     "ALL_MESSAGES", "LAST_SAMPLED", "TOPICS", "AbortRequest", "ActorDied", "AdmissionPaused",
     "AllBlocksCleared", "AnyMessage", "BlockRemoved", "BlockStored", "BusGap", "CacheStats",
     "Census", "CensusBroken", "ChatMessage", "ChunkCached", "DecodeFailed", "DetokenizeQuery",
-    "DetokenizeReply", "DropTree", "Envelope", "FinishReason", "FlipBegin", "FlipCutover",
+    "DetokenizeReply", "DropTree", "Envelope", "FetchPages", "FinishReason", "FlipBegin", "FlipCutover",
     "FlipDone", "FlipQuiesced", "ForwardBatch", "FreeRefused", "GenerateRequest", "HealthPing",
     "HealthPong", "Heartbeat", "LeaseGranted", "LeaseRequest", "LeaseReturned", "LoadPages",
-    "Matched", "MemoryState", "Msg", "PagesEvictable", "PagesLoaded", "PagesSpilled", "ProfileStart",
+    "Matched", "MemoryState", "Msg", "PagesEvictable", "PagesFetched", "PagesLoaded", "PagesSpilled",
+    "PagesStored", "ProfileStart",
     "ProfileStatus", "ProfileStop", "Ready", "RefreshMatch", "ReleaseMemory", "RequestFailed",
     "RequestOutput", "ResumeMemory", "RowOpen", "SamplingParams", "SchedulerCensus",
     "SchedulerConfigured", "SchedulerStats", "SequenceReleased", "Shutdown", "SpillPages",
-    "StepResult", "TextDelta", "TextDeltas", "Tick", "TokenizeQuery", "TokenizeReply",
+    "StepResult", "StoreListed", "StorePages", "TextDelta", "TextDeltas", "Tick", "TokenizeQuery", "TokenizeReply",
     "Tokenized", "TokensOut", "TopLogprob", "TreeDropped", "UpdateWeights", "WeightsQuery",
     "WeightsSlice", "WeightsUpdated", "topic_of"
 ]  # fmt: skip

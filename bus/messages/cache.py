@@ -141,6 +141,11 @@ class CacheStats(Msg, tag="cache.stats"):
     num_spilled_pages: int = 0  # pages backed up to the host
     num_loaded_pages: int = 0  # pages loaded back to the device
     num_copies_failed: int = 0
+    num_store_blocks: int = 0  # the file store below the host tier (all 0 when it is off)
+    num_stored_blocks: int = 0  # blocks written to it
+    num_fetched_blocks: int = 0  # blocks read back into host pages
+    num_store_hit_tokens: int = 0  # tokens read back from it for a match
+    num_store_copies_failed: int = 0
 
 
 class PagesEvictable(Msg, tag="cache.evictable"):
@@ -171,6 +176,7 @@ class DropTree(Msg, tag="cache.drop"):
 
     flip_id: str
     include_locked: bool = True
+    weights_changed: bool = False  # the file store's blocks no longer match the weights
 
 
 class TreeDropped(Msg, tag="cache.dropped"):

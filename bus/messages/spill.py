@@ -47,3 +47,50 @@ class PagesLoaded(Msg, tag="spill.loaded"):
     keys: list[int]
     ok: bool = True
     error: str = ""
+
+
+# -- the file store below the host tier (--hicache-storage-backend file) ----------------
+#
+# A block is `block_tokens` consecutive tokens from a multiple of block_tokens, keyed by
+# a hash chain over whole blocks (actors/cache_manager/store_tier.py), so its key names
+# the prefix it ends, in any page layout. A block moves through host pages: it is written
+# from the host pages of a backed-up prefix and read into host pages before a load.
+
+
+class StorePages(Msg, tag="spill.to_store"):
+    """Write blocks from host pages into the file store (one file per block). The host
+    pages are not reused before the PagesStored."""
+
+    copy_id: int
+    keys: list[int]  # one per block
+    host_pages: list[int]  # pages_per_block of them per key, in order
+
+
+class PagesStored(Msg, tag="spill.stored"):
+    copy_id: int
+    keys: list[int]
+    ok: bool = True
+    error: str = ""
+
+
+class FetchPages(Msg, tag="spill.from_store"):
+    """Read blocks from the file store into host pages. The first block's first `skip`
+    pages are not read (the tree holds them already); every other page is."""
+
+    copy_id: int
+    keys: list[int]
+    skip: int
+    host_pages: list[int]  # pages_per_block * len(keys) - skip of them, in order
+
+
+class PagesFetched(Msg, tag="spill.fetched"):
+    copy_id: int
+    keys: list[int]
+    ok: bool = True
+    error: str = ""
+
+
+class StoreListed(Msg, tag="spill.listed"):
+    """The blocks the file store holds, listed by the cache manager's shell at start."""
+
+    keys: list[int]

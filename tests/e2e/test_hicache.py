@@ -19,10 +19,13 @@ from shunter.bus.log import LogReader
 from shunter.bus.messages import (
     Census,
     CensusBroken,
+    FetchPages,
     LoadPages,
+    PagesFetched,
     PagesLoaded,
     PagesSpilled,
     SpillPages,
+    StoreListed,
 )
 
 TOPICS = ["rivers of Europe", "the history of glass", "how bees dance", "tide pools",
@@ -93,3 +96,49 @@ def test_a_prefix_evicted_from_the_device_comes_back_from_the_host(
                         "--actor", "cache", "--allow-short-recording"],
                        capture_output=True, text=True, timeout=300)  # fmt: skip
     assert r.returncode == 0 and "identical" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_later_server_reads_the_prefix_back_from_the_file_store(
+    start_server, call, mode, tmp_path
+):
+    """A prompt served once is written to the file store (in whole blocks of 64 tokens)
+    as its backup lands; a new server on the same model and directory lists the blocks
+    at start and answers the prompt again with them cached: read into host pages, loaded
+    to the device, the same greedy answer. Both cache managers replay."""
+    store = tmp_path / "store"
+    args = ("--enable-hierarchical-cache", "--enable-metrics", "--hicache-storage-backend",
+            "file", "--hicache-storage-dir", str(store))  # fmt: skip
+    answers, servers = [], []
+    for run in ("first", "second"):
+        with start_server(tmp_path / run, mode, *args) as server:
+            client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none")
+            r = client.completions.create(model="SmolLM2-135M-Instruct", prompt=_prompt(TOPICS[2]),
+                                          max_tokens=8, temperature=0)  # fmt: skip
+            answers.append(r)
+            if run == "first":  # the blocks are written once the backup has landed
+                deadline = time.monotonic() + 20
+                while time.monotonic() < deadline and len(list(store.rglob("*.kv"))) < 2:
+                    time.sleep(0.1)
+                assert len(list(store.rglob("*.kv"))) >= 2
+            else:
+                hit = r'shunter:prefix_hit_tokens_total\{[^}]*tier="store"\} [1-9]'
+                deadline = time.monotonic() + 10
+                while not re.search(hit, text := server.get("/metrics")[1].decode()):
+                    assert time.monotonic() < deadline, text
+                    time.sleep(0.2)
+        servers.append(server)
+    first, again = answers
+    assert again.choices[0].text == first.choices[0].text
+    blocks = again.usage.prompt_tokens // 64
+    assert blocks >= 2 and again.usage.prompt_tokens_details.cached_tokens >= 64 * blocks
+    msgs = [m for _, m in LogReader(servers[1].events_dir).messages()]
+    (listed,) = [m for m in msgs if isinstance(m, StoreListed)]
+    fetches = [m for m in msgs if isinstance(m, FetchPages)]
+    assert len(listed.keys) >= 2 and fetches and set(fetches[0].keys) <= set(listed.keys)
+    assert all(m.ok for m in msgs if isinstance(m, PagesFetched))
+    assert all(c.ok for c in msgs if isinstance(c, Census))
+    for s in servers:
+        r = subprocess.run([sys.executable, "-m", "shunter.ops.busctl", "replay",
+                            str(s.events_dir), "--actor", "cache", "--allow-short-recording"],
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert r.returncode == 0 and "identical" in r.stdout, r.stdout + r.stderr

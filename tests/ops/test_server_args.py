@@ -41,8 +41,11 @@ SAMPLE: dict[str, str | None] = {
     "decode_log_interval": "10", "incremental_streaming_output": None,
     "kv_events_config": '{"publisher": "zmq"}',
     "enable_hierarchical_cache": None, "hicache_ratio": "3.5", "hicache_size": "4",
-    "hicache_write_policy": "write_through_selective",
+    "hicache_write_policy": "write_through_selective", "hicache_storage_backend": "file",
+    "hicache_storage_dir": "/tmp/st", "hicache_storage_prefetch_policy": "wait_complete",
 }  # fmt: skip
+# what a field's flag is given with in the alias test (it needs these to be valid)
+NEEDS: dict[str, list[str]] = {"hicache_storage_backend": ["--enable-hierarchical-cache"]}
 ALIASES = [(field, flag) for field, flags, _, _ in OPTIONS for flag in flags]
 
 
@@ -55,7 +58,7 @@ def test_every_alias_parses_to_its_field(field, flag):
     value = SAMPLE[field]
     argv = [flag] if value is None else [flag, *value.split(" ")] if field == "cuda_graph_bs" \
         else [flag, value]  # fmt: skip
-    args = parse_server_args(argv)
+    args = parse_server_args(argv + NEEDS.get(field, []))
     if field == "cuda_graph_bs":
         expected = [int(v) for v in value.split()]
     else:
@@ -64,7 +67,8 @@ def test_every_alias_parses_to_its_field(field, flag):
     # ...and nothing else moved from its default.
     default = ServerArgs()
     others = {f for f in FIELDS if getattr(args, f) != getattr(default, f)}
-    assert others == ({field} if getattr(default, field) != expected else set())
+    needed = {f for f, flags, _, _ in OPTIONS if set(flags) & set(NEEDS.get(field, []))}
+    assert others == ({field} if getattr(default, field) != expected else set()) | needed
 
 
 def test_sglang_aliases_are_declared():
@@ -86,7 +90,8 @@ def test_vllm_spellings_and_dtype_aliases():
 @pytest.mark.parametrize("argv", [["--quantization", "fp8"], ["--enable-lora"],
                                   ["--lora-paths", "a", "b"], ["--speculative-algorithm", "EAGLE"],
                                   ["--kv-cache-dtype", "fp8_e4m3"], ["--nnodes", "2"],
-                                  ["--ep", "2"], ["--hicache-storage-backend", "file"],
+                                  ["--ep", "2"], ["--hicache-storage-backend", "mooncake"],
+                                  ["--hicache-storage-prefetch-policy", "best_effort"],
                                   ["--hicache-io-backend", "kernel"], ["--tokenizer-worker-num", "4"],
                                   ["--attn-cp-size", "2"]])  # fmt: skip
 def test_unsupported_sglang_options_say_why(argv):

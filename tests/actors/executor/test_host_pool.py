@@ -14,24 +14,28 @@ import pytest
 import torch
 
 from shunter.actors.executor import host_pool as host_pool_module
-from shunter.actors.executor.actor import build_core, run
+from shunter.actors.executor.actor import build_core, ready_info, run
 from shunter.actors.executor.config import ExecutorConfig
 from shunter.actors.executor.host_pool import HostKVPool, host_pool_pages
 from shunter.actors.executor.kv_pool import KVPool
 from shunter.actors.executor.models.config import ModelConfig
 from shunter.bus.inproc import InProcHub
 from shunter.bus.messages import (
+    FetchPages,
     ForwardBatch,
     LoadPages,
     MemoryState,
+    PagesFetched,
     PagesLoaded,
     PagesSpilled,
+    PagesStored,
     Ready,
     ReleaseMemory,
     RowOpen,
     SamplingParams,
     SpillPages,
     StepResult,
+    StorePages,
 )
 
 CFG = ModelConfig(family="llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=3,
@@ -312,6 +316,41 @@ def test_core_copy_restores_a_prefix_that_decodes_as_before(config):
     pool.k_all.zero_(), pool.v_all.zero_()  # without the load the prefix is gone
     lost = core.step(_on_prefix(2, 2, [40, 13, 27]))
     assert lost.logprobs != pytest.approx(first.logprobs, abs=1e-4)
+
+
+def test_core_file_store_round_trip_decodes_as_before(config, tmp_path):
+    """device -> host -> a block file -> other host pages -> other device pages: the
+    prefix decodes as it did; a later core of the same model lists the block, one of
+    other weights does not."""
+    core = build_core(msgspec.structs.replace(config, hicache_storage_dir=str(tmp_path)))
+    fs = core.file_store
+    assert fs is not None and fs.block_tokens == 64 and fs.path.parent == tmp_path
+    info = ready_info(core)
+    assert (info["store_block_tokens"], info["store_path"]) == (64, str(fs.path))
+    first = core.step(_prefill(0, 0, [5, 9, 2]))
+    block = [5, 9, 2, *range(20, 33)]  # 16 pages: one block
+    core.copy(SpillPages(1, [0] * 16, block, list(range(16))))
+    assert core.copy(StorePages(2, [-7], list(range(16)))) is None  # on the store's thread
+    assert core.copies_done(wait=True) == [PagesStored(2, [-7])]
+    core.host_pool.k_all.zero_(), core.host_pool.v_all.zero_()
+    pool = core.runner.kv_pool
+    pool.k_all.zero_(), pool.v_all.zero_()
+    assert core.copy(FetchPages(3, [-7], 0, list(range(40, 56)))) is None
+    (wait,) = core.copy_waiters()
+    wait()
+    assert core.copies_done() == [PagesFetched(3, [-7])]
+    core.copy(LoadPages(4, [0] * 3, [40, 41, 42], [7, 8, 11]))
+    again = core.step(_on_prefix(1, 1, [7, 8, 11]))
+    assert again.token_ids == first.token_ids
+    assert again.logprobs == pytest.approx(first.logprobs, abs=1e-4)
+    missing = core.copy(FetchPages(5, [8], 0, list(range(16))))
+    assert missing is None and not core.copies_done(wait=True)[0].ok
+    fs.close()
+    later = build_core(msgspec.structs.replace(config, hicache_storage_dir=str(tmp_path)))
+    assert later.file_store.list_keys() == [-7]
+    other = build_core(msgspec.structs.replace(config, hicache_storage_dir=str(tmp_path),
+                                               seed=4))  # fmt: skip
+    assert other.file_store.list_keys() == []
 
 
 @pytest.mark.gpu

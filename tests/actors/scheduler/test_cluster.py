@@ -22,6 +22,7 @@ from shunter.actors.scheduler.config import SchedulerConfig
 from shunter.actors.scheduler.sim import Cluster, mix64
 from shunter.bus.messages import (
     ChunkCached,
+    DropTree,
     FlipBegin,
     FlipDone,
     LeaseGranted,
@@ -284,10 +285,11 @@ test_scheduler_with_cache_state_machine = SchedulerWithCache.TestCase
 
 
 def fuzz(seed: int, num_deliveries: int, host: bool = False,
-         write_policy: str | None = None) -> Cluster:  # fmt: skip
+         write_policy: str | None = None, store: bool = False) -> Cluster:  # fmt: skip
     """Random arrivals, aborts and delivery orders under a small pool, checking the books
     after every delivery; drains at the end and checks everything finished cleanly. With
-    host, a host KV tier too (its size drawn, and its write policy unless given)."""
+    host, a host KV tier too (its size drawn, and its write policy unless given); with
+    store, a file store below it too (its block size drawn)."""
     import random
 
     rng = random.Random(seed)
@@ -308,6 +310,8 @@ def fuzz(seed: int, num_deliveries: int, host: bool = False,
                 "write_policy": rng.choice(["write_through", "write_through_selective",
                                             "write_back"])}  # fmt: skip
         tier["write_policy"] = write_policy or tier["write_policy"]
+        if store:
+            tier["store_block_tokens"] = page_size * rng.choice([1, 2, 4])
     c = Cluster(cfg, num_pages, token_fn=token_fn, **tier)
     prefixes = [[], list(range(300, 300 + rng.randint(4, 30))), list(range(700, 712))]
     rids: list[str] = []
@@ -323,6 +327,8 @@ def fuzz(seed: int, num_deliveries: int, host: bool = False,
             c.abort(rng.choice(rids), rng.choice(["client", "stop_string"]))
         elif x < 0.065:
             c.send_sched(FlipBegin("f", "x") if rng.random() < 0.5 else FlipDone("f", 0, True))
+        elif x < 0.067 and store:  # /flush_cache: what the store holds outlives the tree
+            c.to_cache.append(DropTree("flush", include_locked=False))
         else:
             pumps = [c.pump_cache, c.pump_sched, c.pump_exe]
             rng.shuffle(pumps)
@@ -349,6 +355,13 @@ def test_seeded_fuzz_with_a_host_tier(seed):
 def test_seeded_fuzz_with_a_write_back_host_tier(seed):
     c = fuzz(seed, 4000, host=True, write_policy="write_back")
     assert c.exe.num_copies > 0
+
+
+@pytest.mark.parametrize("seed", [10, 11, 12])
+def test_seeded_fuzz_with_a_file_store(seed):
+    c = fuzz(seed, 4000, host=True, store=True)
+    st_ = c.cache.statistics()
+    assert st_.num_stored_blocks > 0
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,238 @@
+"""The cache manager's file store tier: which blocks the store holds, the copies in flight.
+
+Theory of operation
+    A pure helper of CacheManagerCore (core.py), beside host_tier.py; the executor moves
+    the bytes (actors/executor/file_store.py). The store sits below the host tier: a
+    block goes to it from host pages and comes back into host pages, from where the
+    host tier loads it like any host-only prefix.
+
+    A block is `block_tokens` tokens from a multiple of block_tokens in a namespace's
+    sequence, keyed by `block_keys`: a blake2b chain over whole blocks, rooted in the
+    namespace and the store's generation. A key names the prefix that ends with its
+    block, whatever the page layout, and outlives the process: the files of an earlier
+    run under the same model are found again (StoreListed at start). A weights flip
+    bumps the generation, so no block computed by the old weights is matched again.
+
+    - `after_backup(node)`: once a node's backup to the host has landed, the blocks it
+      completes whose every page has a host copy, and which the store neither holds nor
+      is being given, are written (StorePages). Their host pages are pinned (`pinned`:
+      eviction leaves them in the tree) until PagesStored.
+    - `fetch(node, m, tokens)`: a match ending at m, short of what the store holds of
+      the request's tokens: the blocks from the one holding m on are read into host
+      pages taken now (FetchPages), under a new host-only leaf at the match's end. Its
+      pages are pinned (neither host eviction nor a device eviction dropping a node
+      above takes the leaf out of the tree) and OUT in the host ledger (the host
+      tier's `writes` counts them, so a census and a DropTree see a copy in flight)
+      until PagesFetched; a match reaching them waits (`waiting_on`) and is matched
+      again then, which loads them.
+    - A failed write forgets nothing (the blocks were not known); a failed fetch marks
+      the nodes holding its pages invalid and forgets its keys, so no match tries them
+      again.
+
+Invariants
+    - `pinned` counts, per host page, the store copies in flight that use it.
+    - every fetch's pages are in the host tier's `writes` under its copy id, with a
+      `waiters` entry, until it is answered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import Counter
+from collections.abc import Callable
+
+from shunter.actors.cache_manager.allocator import OUT, TREE
+from shunter.actors.cache_manager.host_tier import HostTier
+from shunter.actors.cache_manager.radix import EvictedBlock, Node, RadixTree
+from shunter.bus.messages import FetchPages, PagesFetched, PagesStored, StorePages
+
+
+def block_keys(generation: int, namespace: str, tokens: list[int], block_tokens: int) -> list[int]:
+    """One key per whole block of tokens: blake2b of the previous key and the block's
+    ids (the first block chains on the namespace and generation), as a signed int64."""
+    prev = hashlib.blake2b(f"{generation}\0{namespace}".encode(), digest_size=8).digest()
+    keys: list[int] = []
+    for i in range(0, len(tokens) - block_tokens + 1, block_tokens):
+        prev = hashlib.blake2b(prev + array("q", tokens[i : i + block_tokens]).tobytes(),
+                               digest_size=8).digest()  # fmt: skip
+        keys.append(int.from_bytes(prev, "little", signed=True))
+    return keys
+
+
+class StoreTier:
+    def __init__(self, block_tokens: int, page_size: int) -> None:
+        assert block_tokens % page_size == 0
+        self.block_tokens = block_tokens
+        self.page_size = page_size
+        self.block_pages = block_tokens // page_size
+        self.generation = 0
+        self.known: set[int] = set()  # blocks the store holds
+        self.pending: set[int] = set()  # blocks being written
+        self.pinned: Counter[int] = Counter()  # host page -> store copies using it
+        self.stores: dict[int, tuple[list[int], list[int]]] = {}  # copy id -> keys, pages
+        self.fetches: dict[int, tuple[list[int], list[int]]] = {}  # copy id -> keys, pages
+        self.page_fetch: dict[int, int] = {}  # host page being fetched -> copy id
+        self.num_stored = self.num_fetched = self.num_hit = self.num_failed = 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.stores or self.fetches)
+
+    def keep(self, node: Node) -> bool:
+        """Whether eviction must leave node and what hangs from it: a store copy uses
+        host pages there."""
+        if not self.pinned:
+            return False
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if any(self.pinned[h] for h in n.host_pages):
+                return True
+            stack.extend(n.children.values())
+        return False
+
+    def _pin(self, pages: list[int], by: int) -> None:
+        for h in pages:
+            self.pinned[h] += by
+            if not self.pinned[h]:
+                del self.pinned[h]
+
+    def listed(self, keys: list[int]) -> None:
+        self.known.update(keys)
+
+    def drop(self, weights_changed: bool) -> None:
+        """The tree was dropped (no copy is in flight then); with new weights, nothing
+        stored so far may be matched again."""
+        if weights_changed:
+            self.generation += 1
+            self.known.clear()
+
+    # -- writes -------------------------------------------------------------------
+
+    def after_backup(self, tree: RadixTree, host: HostTier, node: Node) -> StorePages | None:
+        """Write the blocks a node whose backup just landed completes, where the whole
+        block has host copies and the store lacks it."""
+        path: list[Node] = []
+        n: Node | None = node
+        while n is not None and n.parent is not None:
+            path.append(n)
+            n = n.parent
+        path.reverse()
+        tokens: list[int] = []
+        host_pages: list[int | None] = []
+        for p in path:
+            tokens += p.key
+            host_pages += p.host_pages or [None] * (len(p.key) // self.page_size)
+        bt, bp = self.block_tokens, self.block_pages
+        start = len(tokens) - len(node.key)
+        keys = block_keys(self.generation, node.namespace, tokens, bt)
+        out_keys: list[int] = []
+        out_pages: list[int] = []
+        for j in range(start // bt, len(keys)):
+            pages = host_pages[j * bp : (j + 1) * bp]
+            if keys[j] in self.known or keys[j] in self.pending or None in pages:
+                continue
+            if any(host.ledger.owner[h] != TREE for h in pages):  # type: ignore[index]
+                continue  # a copy into these host pages has not landed yet
+            out_keys.append(keys[j])
+            out_pages += pages  # type: ignore[arg-type]
+        if not out_keys:
+            return None
+        cid = host.next_copy_id()
+        self.stores[cid] = (out_keys, out_pages)
+        self.pending.update(out_keys)
+        self._pin(out_pages, 1)
+        return StorePages(cid, out_keys, out_pages)
+
+    def stored(self, msg: PagesStored) -> bool:
+        """A write's reply; False when it answers no write of ours."""
+        entry = self.stores.pop(msg.copy_id, None)
+        if entry is None:
+            return False
+        keys, pages = entry
+        self.pending.difference_update(keys)
+        self._pin(pages, -1)
+        if msg.ok:
+            self.known.update(keys)
+            self.num_stored += len(keys)
+        else:
+            self.num_failed += 1
+        return True
+
+    # -- fetches ------------------------------------------------------------------
+
+    def waiting_on(self, node: Node) -> set[int]:
+        """The fetches in flight whose pages the host-only end of a match holds."""
+        cids: set[int] = set()
+        while self.page_fetch and node.parent is not None and node.host_only:
+            cids.update(c for h in node.host_pages if (c := self.page_fetch.get(h)) is not None)
+            node = node.parent
+        return cids
+
+    def fetch(self, tree: RadixTree, host: HostTier, node: Node, m: int, tokens: list[int],
+              release: Callable[[list[EvictedBlock]], object]) -> FetchPages | None:  # fmt: skip
+        """Read the stored blocks past a match (node, ending at m tokens of `tokens`, the
+        most it may cover) into host pages under a new host-only leaf; `release` frees
+        what host eviction took to make room."""
+        bt, ps = self.block_tokens, self.page_size
+        if not self.known or len(tokens) < (m // bt + 1) * bt:
+            return None
+        if node.parent is None:
+            node = tree.root(node.namespace)
+        elif tree.child(node, tokens, m) is not None:
+            return None  # a node the match stopped before (not valid) is there already
+        keys = block_keys(self.generation, node.namespace, tokens, bt)
+        j0 = j = m // bt
+        while j < len(keys) and keys[j] in self.known:
+            j += 1
+        need = (j * bt - m) // ps
+        if need > host.ledger.num_free:
+            tree.lock(node)  # the match's own host-only nodes stay
+            release(tree.evict_host(need - host.ledger.num_free, keep=self.keep))
+            tree.unlock(node)
+        while j > j0 and (j * bt - m) // ps > host.ledger.num_free:
+            j -= 1
+        if j == j0:
+            return None
+        pages = host.ledger.take((j * bt - m) // ps)
+        tree.add_host_leaf(node, tokens[m : j * bt], pages)
+        cid = host.next_copy_id()
+        host.writes[cid] = pages
+        host.waiters[cid] = {}
+        self.fetches[cid] = (keys[j0:j], pages)
+        self._pin(pages, 1)
+        for h in pages:
+            self.page_fetch[h] = cid
+        return FetchPages(cid, keys[j0:j], (m - j0 * bt) // ps, pages)
+
+    def fetched(self, tree: RadixTree, host: HostTier, msg: PagesFetched) -> list[str] | None:
+        """A fetch's reply: the requests that waited for it, in order; None when it
+        answers no fetch of ours."""
+        entry = self.fetches.pop(msg.copy_id, None)
+        if entry is None:
+            return None
+        keys, pages = entry
+        del host.writes[msg.copy_id]
+        self._pin(pages, -1)
+        for h in pages:
+            del self.page_fetch[h]
+        host.ledger.move(pages, OUT, TREE)
+        if msg.ok:
+            self.num_fetched += len(keys)
+            self.num_hit += len(pages) * self.page_size
+        else:
+            self.num_failed += 1
+            self.known.difference_update(keys)
+            bad = set(pages)
+            for n in tree.nodes():
+                if n.host_pages and bad.intersection(n.host_pages):
+                    n.valid = False
+        return list(host.waiters.pop(msg.copy_id))
+
+    def counters(self) -> dict[str, int]:
+        return dict(
+            num_store_blocks=len(self.known), num_stored_blocks=self.num_stored,
+            num_fetched_blocks=self.num_fetched, num_store_hit_tokens=self.num_hit,
+            num_store_copies_failed=self.num_failed,
+        )  # fmt: skip

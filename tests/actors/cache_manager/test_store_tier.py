@@ -1,0 +1,171 @@
+"""Cache manager core with a file store below the host tier, message by message: blocks
+written once their backup lands, read back into host pages for a match (which is then
+loaded like any host-only prefix), blocks listed at start, failed reads, weights flips,
+and the pages a store copy uses kept from eviction."""
+
+from __future__ import annotations
+
+from shunter.actors.cache_manager.allocator import OUT
+from shunter.actors.cache_manager.config import CacheConfig
+from shunter.actors.cache_manager.core import CacheManagerCore
+from shunter.actors.cache_manager.store_tier import block_keys
+from shunter.bus.messages import (
+    Census,
+    DropTree,
+    FetchPages,
+    LeaseGranted,
+    LeaseRequest,
+    LeaseReturned,
+    LoadPages,
+    Matched,
+    PagesFetched,
+    PagesLoaded,
+    PagesSpilled,
+    PagesStored,
+    SamplingParams,
+    SchedulerCensus,
+    SequenceReleased,
+    SpillPages,
+    StoreListed,
+    StorePages,
+    Tokenized,
+)
+from tests.actors.cache_manager.test_host_tier import Seq, of
+
+SP = SamplingParams()
+A = list(range(100, 110))  # 10 tokens: two whole blocks of 4, and 2 more
+
+
+def make(num_pages=16, num_host_pages=32, page_size=1, block=4, **kw) -> CacheManagerCore:
+    return CacheManagerCore(CacheConfig(num_pages=num_pages, page_size=page_size,
+                                        num_host_pages=num_host_pages,
+                                        store_block_tokens=block, **kw))  # fmt: skip
+
+
+def serve(core, rid, ids, seq) -> list:
+    (m,) = of(core.handle(Tokenized(rid, ids, SP)), Matched)
+    n = -(-len(ids) // core.page_size) - len(m.prefix_pages)
+    (g,) = of(core.handle(LeaseRequest(seq(), n)), LeaseGranted)
+    return core.handle(SequenceReleased(rid, ids, m.prefix_pages + g.pages))
+
+
+def stored(core, rid, ids, seq) -> StorePages:
+    """Serve ids, land its backup and its store write; returns the write."""
+    (sp,) = of(serve(core, rid, ids, seq), SpillPages)
+    (st,) = of(core.handle(PagesSpilled(sp.copy_id, sp.keys)), StorePages)
+    assert core.handle(PagesStored(st.copy_id, st.keys)) == []
+    return st
+
+
+def census_ok(core, seq) -> bool:
+    return all(c.ok for c in of(core.handle(SchedulerCensus(seq.n, seq.n, 0, 0)), Census))
+
+
+def test_block_keys_chain_over_whole_blocks():
+    keys = block_keys(0, "", A, 4)
+    assert len(keys) == 2 and keys == block_keys(0, "", A[:8], 4)
+    assert block_keys(0, "", A[:4], 4) == keys[:1]
+    assert block_keys(0, "", [*A[:4], 0, 0, 0, 0], 4)[0] == keys[0]  # a prefix's key
+    assert block_keys(0, "", [*A[:4], 0, 0, 0, 0], 4)[1] != keys[1]
+    assert block_keys(1, "", A, 4) != keys and block_keys(0, "lora", A, 4) != keys
+    assert block_keys(0, "", A[:3], 4) == []
+
+
+def test_a_landed_backup_writes_its_whole_blocks_once():
+    core, seq = make(), Seq()
+    (sp,) = of(serve(core, "a", A, seq), SpillPages)
+    assert len(sp.host_pages) == 10
+    (st,) = of(core.handle(PagesSpilled(sp.copy_id, sp.keys)), StorePages)
+    assert st.keys == block_keys(0, "", A, 4) and st.host_pages == sp.host_pages[:8]
+    assert core.store.pinned == {h: 1 for h in st.host_pages}
+    assert census_ok(core, seq)
+    core.handle(PagesStored(st.copy_id, st.keys))
+    assert core.store.known == set(st.keys) and not core.store.pinned
+    # a longer sequence backs up its tail only, which completes no new block... the next
+    # one of 12 tokens completes the third block: only it is written
+    (sp2,) = of(serve(core, "b", [*A, 7, 7], seq), SpillPages)
+    (st2,) = of(core.handle(PagesSpilled(sp2.copy_id, sp2.keys)), StorePages)
+    assert st2.keys == block_keys(0, "", [*A, 7, 7], 4)[2:]
+    assert st2.host_pages == sp.host_pages[8:] + sp2.host_pages
+    s = core.statistics()
+    assert (s.num_store_blocks, s.num_stored_blocks) == (2, 2)
+
+
+def test_a_match_reads_the_store_into_host_pages_then_loads_them():
+    core, seq = make(), Seq()
+    st = stored(core, "a", A, seq)
+    core.handle(DropTree("f"))  # the tree is gone, the store is not
+    out = core.handle(Tokenized("b", [*A, 1], SP))
+    (fp,) = out
+    assert isinstance(fp, FetchPages) and fp.keys == st.keys and fp.skip == 0
+    assert len(fp.host_pages) == 8 and core.host.ledger.counts[OUT] == 8
+    # another request reaching the pages being read waits for the same read
+    assert core.handle(Tokenized("c", [*A[:6], 2], SP)) == []
+    assert census_ok(core, seq)
+    (ld,) = core.handle(PagesFetched(fp.copy_id, fp.keys))  # b loads; c waits on that load
+    assert isinstance(ld, LoadPages) and ld.host_pages == fp.host_pages
+    mb, mc = core.handle(PagesLoaded(ld.copy_id, ld.keys))
+    assert (mb.request.request_id, mb.num_cached_tokens) == ("b", 8)
+    assert (mc.request.request_id, mc.num_cached_tokens) == ("c", 6)
+    s = core.statistics()
+    assert (s.num_fetched_blocks, s.num_store_hit_tokens, s.num_loaded_pages) == (2, 8, 8)
+    assert census_ok(core, seq)
+
+
+def test_a_fresh_core_finds_the_listed_blocks():
+    core, seq = make(), Seq()
+    st = stored(core, "a", A, seq)
+    again = make()
+    assert again.handle(StoreListed(st.keys)) == []
+    (fp,) = again.handle(Tokenized("b", A, SP))  # 9 of 10 tokens may match: block 0 and 1
+    assert isinstance(fp, FetchPages) and fp.keys == st.keys[:2]
+
+
+def test_a_read_past_the_cached_part_skips_the_pages_it_has():
+    core, seq = make(page_size=2), Seq()
+    st = stored(core, "a", A, seq)
+    again, seq = make(page_size=2), Seq()  # a later server: its tree has the first 6
+    serve(again, "x", A[:6], seq)
+    again.handle(StoreListed(st.keys))
+    (fp,) = of(again.handle(Tokenized("b", [*A, 1], SP)), FetchPages)
+    assert fp.keys == st.keys[1:] and fp.skip == 1 and len(fp.host_pages) == 1
+
+
+def test_a_failed_read_forgets_its_blocks_and_matches_again_without_them():
+    core, seq = make(), Seq()
+    st = stored(core, "a", A, seq)
+    core.handle(DropTree("f"))
+    (fp,) = core.handle(Tokenized("b", [*A, 1], SP))
+    (m,) = core.handle(PagesFetched(fp.copy_id, fp.keys, ok=False, error="gone"))
+    assert isinstance(m, Matched) and m.num_cached_tokens == 0
+    assert not core.store.known & set(st.keys) and census_ok(core, seq)
+    assert core.statistics().num_store_copies_failed == 1
+
+
+def test_new_weights_match_no_earlier_block():
+    core, seq = make(), Seq()
+    st = stored(core, "a", A, seq)
+    core.handle(DropTree("f", weights_changed=True))
+    core.handle(StoreListed(st.keys))  # the old files are still there
+    (m,) = core.handle(Tokenized("b", [*A, 1], SP))
+    assert isinstance(m, Matched) and m.num_cached_tokens == 0
+    assert core.store.generation == 1
+
+
+def test_pages_a_write_reads_stay_until_it_is_answered():
+    """Host eviction passes over a host-only prefix whose store write is in flight, and a
+    DropTree waits for it."""
+    core, seq = make(num_pages=12, num_host_pages=10), Seq()
+    (sp,) = of(serve(core, "a", A, seq), SpillPages)
+    (st,) = of(core.handle(PagesSpilled(sp.copy_id, sp.keys)), StorePages)
+    (g,) = of(core.handle(LeaseRequest(seq(), 12)), LeaseGranted)  # A demoted, host-only
+    core.handle(LeaseReturned(g.pages))
+    B = list(range(300, 308))
+    assert of(core.handle(Tokenized("b", B, SP)), Matched)
+    (g,) = of(core.handle(LeaseRequest(seq(), 8)), LeaseGranted)
+    out = core.handle(SequenceReleased("b", B, g.pages))
+    assert not of(out, SpillPages)  # no host room: A's pages are pinned
+    assert core.statistics().num_backups_skipped == 1
+    assert core.handle(DropTree("f")) == []  # waits for the write
+    out = core.handle(PagesStored(st.copy_id, st.keys))
+    assert out and out[-1].ok  # TreeDropped

@@ -9,8 +9,10 @@ copy path in --paths:
     runs        the host pages one ascending run (a pool handed out in order), the
                 device pages descending (the device allocator reuses the most recently
                 freed page first)
-    runs-N      the host pages in runs of N, the runs in random order; device as above
-    scattered   host and device pages both in random order
+    runs-N      the host pages in runs of N with a gap of N after each (the host pool
+                is twice the copy, so runs stay apart once a copy sorts its pages), the
+                runs in random order; device as above
+    scattered   half the host pool's pages at random, the device pages in random order
     sliced      host_pool._MIN_RUN_BYTES = 0: every run of host pages a slice per layer
     indexed     _MIN_RUN_BYTES = huge: every chunk gathered or scattered on the host
 
@@ -70,10 +72,10 @@ def _pages(layout: str, num_pages: int, g: torch.Generator) -> tuple[list[int], 
         return list(range(num_pages - 1, -1, -1)), list(range(num_pages))
     if n := _run_length(layout):
         starts = torch.randperm((num_pages + n - 1) // n, generator=g).tolist()
-        host = [p for r in starts for p in range(r * n, min((r + 1) * n, num_pages))]
+        host = [p for r in starts for p in range(2 * r * n, 2 * r * n + n)][:num_pages]
         return list(range(num_pages - 1, -1, -1)), host
     return (torch.randperm(num_pages, generator=g).tolist(),
-            torch.randperm(num_pages, generator=g).tolist())  # fmt: skip
+            torch.randperm(2 * num_pages, generator=g)[:num_pages].tolist())  # fmt: skip
 
 
 def _best_ms(fn, device: torch.device, repeats: int) -> float:
@@ -107,7 +109,8 @@ def measure(args: argparse.Namespace) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     num_pages = args.tokens // args.page_size
     pool = KVPool(cfg, num_pages, page_size=args.page_size, dtype=dtype, device=device)
-    host = hp.HostKVPool(num_pages, like=pool)
+    longest = max((_run_length(x) for x in layouts), default=0)
+    host = hp.HostKVPool(2 * (num_pages + longest), like=pool)  # room for runs-N's gaps
     nbytes = pool.k_all.nbytes + pool.v_all.nbytes  # every page moves once per copy
     g = torch.Generator().manual_seed(args.seed)
 

@@ -4,6 +4,7 @@ back, and bad arguments are refused."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 from shunter.actors.executor import host_pool
@@ -37,16 +38,24 @@ def test_bad_arguments_are_refused(capsys):
     assert "--tokens >= --page-size" in capsys.readouterr().err
 
 
-def test_runs_layout_covers_every_page_once():
+def test_runs_layouts_keep_their_runs_apart():
     import torch
 
     from shunter.ops.bench_host_tier import _pages
 
     device, host = _pages("runs-4", 10, torch.Generator().manual_seed(0))
-    assert sorted(host) == list(range(10)) and device == list(range(9, -1, -1))
+    assert len(set(host)) == 10 and device == list(range(9, -1, -1))
+    assert all(p < 20 for p in host)  # a host pool of twice the pages
     runs, i = [], 0
-    while i < len(host):  # every run starts at a multiple of 4 and holds 4 pages (or the rest)
-        assert host[i] % 4 == 0
-        runs.append(tuple(host[i : i + min(4, 10 - host[i])]))
-        i += len(runs[-1])
-    assert sorted(runs) == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9)]
+    while i < len(host):  # runs of 4 (the last maybe fewer) starting at multiples of 8
+        assert host[i] % 8 == 0
+        n = 1
+        while i + n < len(host) and host[i + n] == host[i] + n:
+            n += 1
+        runs.append(n)
+        i += n
+    assert sorted(runs) == [2, 4, 4]
+    s = sorted(host)  # sorted, as a copy does: still apart
+    assert sum(1 for a, b in itertools.pairwise(s) if b != a + 1) == 2
+    _, scattered = _pages("scattered", 10, torch.Generator().manual_seed(0))
+    assert len(set(scattered)) == 10 and max(scattered) < 20

@@ -180,7 +180,7 @@ class StoreTier:
             return None
         if node.parent is None:
             node = tree.root(node.namespace)
-        elif tree.child(node, tokens, m) is not None:
+        if tree.child(node, tokens, m) is not None:
             return None  # a node the match stopped before (not valid) is there already
         keys = block_keys(self.generation, node.namespace, tokens, bt)
         j0 = j = m // bt

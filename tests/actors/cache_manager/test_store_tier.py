@@ -169,3 +169,19 @@ def test_pages_a_write_reads_stay_until_it_is_answered():
     assert core.handle(DropTree("f")) == []  # waits for the write
     out = core.handle(PagesStored(st.copy_id, st.keys))
     assert out and out[-1].ok  # TreeDropped
+
+
+def test_no_read_where_a_node_the_match_stopped_before_starts():
+    """A failed load leaves its node invalid: a match stops before it, and the store
+    reads nothing into that place (a second node there would break the tree)."""
+    core, seq = make(), Seq()
+    st = stored(core, "a", A, seq)
+    core.handle(DropTree("f"))
+    (fp,) = core.handle(Tokenized("b", [*A, 1], SP))
+    (ld,) = core.handle(PagesFetched(fp.copy_id, fp.keys))
+    (m,) = core.handle(PagesLoaded(ld.copy_id, ld.keys, ok=False, error="x"))
+    assert isinstance(m, Matched) and m.num_cached_tokens == 0  # stops before the invalid
+    core.handle(StoreListed(st.keys))  # the blocks known again: still no second node
+    (m2,) = core.handle(Tokenized("c", [*A, 2], SP))
+    assert isinstance(m2, Matched) and m2.num_cached_tokens == 0
+    assert census_ok(core, seq)

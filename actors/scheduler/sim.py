@@ -103,6 +103,7 @@ class SimExecutor:
         self.host_kv: dict[int, int | None] = {}  # host slot -> token id a spill put there
         self.store: dict[int, list[int | None]] = {}  # file store: key -> its slots' tokens
         self.block_pages = 0  # pages per file store block (set by Cluster)
+        self.fail_copies = 0  # > 0: about one copy in this many fails (changing nothing)
         self.clobbered: dict[int, int] = {}  # row -> a page of its a load wrote into
         self.num_steps = 0
         self.num_copies = 0
@@ -116,6 +117,14 @@ class SimExecutor:
         write or read, block by block."""
         self.num_copies += 1
         ps = self.page_size
+        if self.fail_copies and mix64(m.copy_id, 7) % self.fail_copies == 0:
+            reply = {SpillPages: PagesSpilled, LoadPages: PagesLoaded, StorePages: PagesStored,
+                     FetchPages: PagesFetched}[type(m)]  # fmt: skip
+            if isinstance(m, LoadPages):  # the device pages it was to write hold garbage
+                for d in m.device_pages:
+                    for o in range(ps):
+                        self.kv.pop(d * ps + o, None)
+            return reply(m.copy_id, m.keys, ok=False, error="injected")
         if isinstance(m, StorePages | FetchPages):
             return self._store_copy(m)
         if isinstance(m, SpillPages):

@@ -285,11 +285,13 @@ test_scheduler_with_cache_state_machine = SchedulerWithCache.TestCase
 
 
 def fuzz(seed: int, num_deliveries: int, host: bool = False,
-         write_policy: str | None = None, store: bool = False) -> Cluster:  # fmt: skip
+         write_policy: str | None = None, store: bool = False,
+         fail_copies: int = 0) -> Cluster:  # fmt: skip
     """Random arrivals, aborts and delivery orders under a small pool, checking the books
     after every delivery; drains at the end and checks everything finished cleanly. With
     host, a host KV tier too (its size drawn, and its write policy unless given); with
-    store, a file store below it too (its block size drawn)."""
+    store, a file store below it too (its block size drawn); with fail_copies, about
+    one copy between tiers in that many fails."""
     import random
 
     rng = random.Random(seed)
@@ -313,6 +315,7 @@ def fuzz(seed: int, num_deliveries: int, host: bool = False,
         if store:
             tier["store_block_tokens"] = page_size * rng.choice([1, 2, 4])
     c = Cluster(cfg, num_pages, token_fn=token_fn, **tier)
+    c.exe.fail_copies = fail_copies
     prefixes = [[], list(range(300, 300 + rng.randint(4, 30))), list(range(700, 712))]
     rids: list[str] = []
     for _ in range(num_deliveries):
@@ -362,6 +365,18 @@ def test_seeded_fuzz_with_a_file_store(seed):
     c = fuzz(seed, 4000, host=True, store=True)
     st_ = c.cache.statistics()
     assert st_.num_stored_blocks > 0
+
+
+@pytest.mark.parametrize(
+    "seed",
+    [20, 26, 29,
+     pytest.param(22, marks=pytest.mark.xfail(strict=True, reason="a request's pages attached to a node a failed load left invalid are refused at its next ChunkCached")),
+     pytest.param(23, marks=pytest.mark.xfail(strict=True, reason="as seed 22"))],
+)  # fmt: skip
+def test_seeded_fuzz_with_failing_copies(seed):
+    """About one copy between tiers in five fails (the executor's error replies)."""
+    c = fuzz(seed, 4000, host=True, fail_copies=5)
+    assert c.cache.statistics().num_copies_failed > 0
 
 
 @pytest.mark.parametrize(

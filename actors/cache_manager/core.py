@@ -290,9 +290,13 @@ class CacheManagerCore(Tiers):
         )
 
     def _tree_pages(self, req: _Request, tokens: list[int]) -> list[int]:
+        """The tree's pages at the positions of tokens, as an insert sees them: through
+        nodes a failed load left invalid too (an insert gives its pages to the host-only
+        nodes below one, which a valid-only match would not reach)."""
         if self.config.disable_radix_cache or req.reclaimed:
             return []
-        return self.tree.match(req.tokenized.extra_key, tokens, split=False).pages
+        return self.tree.match(req.tokenized.extra_key, tokens, split=False,
+                               valid_only=False).pages  # fmt: skip
 
     def _to_tree(self, pages: list[int]) -> None:
         aside = [p for p in pages if self.ledger.owner[p] == ASIDE] if self._aside_owner else []

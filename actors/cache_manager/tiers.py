@@ -67,14 +67,13 @@ class Tiers:
     _drops: list[DropTree]
     _num_evicted: int
 
-    def _match(self, req: _Request) -> list[Msg]:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # the core's, which this mixin calls
 
-    def _unlock(self, req: _Request) -> None:
-        raise NotImplementedError
+        def _match(self, req: _Request) -> list[Msg]: ...
 
-    def _drop(self, msg: DropTree) -> list[Msg]:
-        raise NotImplementedError
+        def _unlock(self, req: _Request) -> None: ...
+
+        def _drop(self, msg: DropTree) -> list[Msg]: ...
 
     def _through_tiers(self, host: HostTier, req: _Request, found: MatchResult,
                        tokens: list[int], out: list[Msg]) -> tuple[Node, list[int]] | None:  # fmt: skip

@@ -201,11 +201,13 @@ class Subscription(RawSubscription):
     """Typed messages of matching topics, as `Received(topic, envelope, msg)`."""
 
     def __init__(
-        self, bus: Bus, prefixes: tuple[str, ...], source: Source, decoder: Decoder
-    ) -> None:
+        self, bus: Bus, prefixes: tuple[str, ...], source: Source, decoder: Decoder,
+        *, exact: frozenset[bytes] | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(bus, prefixes, source)
         self.decoder = decoder
         self._decode_body = decoder.decode
+        self._exact = exact  # the only topics delivered (None: every prefix match)
 
     async def receive(self) -> Received:  # type: ignore[override]
         source = self._source
@@ -226,7 +228,7 @@ class Subscription(RawSubscription):
 
     def _decode(self, frames: Frames) -> Received | None:
         env = self._check(frames)
-        if env is None:
+        if env is None or (self._exact is not None and frames.topic not in self._exact):
             return None
         try:
             msg = self._decode_body(frames.body)

@@ -139,15 +139,18 @@ class Bus(abc.ABC):
         types: Iterable[type[Msg]] | None = None,
         max_queue: int | None = None,
     ) -> Subscription:
-        """Typed subscription. With types and no prefixes, the prefixes are the types'
-        exact topics; with neither, everything. A message whose body does not decode as
-        one of `types` becomes a DecodeFailed event."""
+        """Typed subscription. With types and no prefixes, the types' exact topics (a
+        topic they are a prefix of, `spill.loaded` for `spill.load`, is not delivered);
+        with neither, everything. A message whose body does not decode as one of `types`
+        becomes a DecodeFailed event."""
         types = tuple(types) if types is not None else None
         decoder = Decoder(types)  # validates the types
+        exact = None
         if not prefixes:
             prefixes = tuple(topic_of(t) for t in types) if types else ("",)
+            exact = frozenset(p.encode("ascii") for p in prefixes) if types else None
         source = self._open(self._check_prefixes(prefixes), max_queue or self.max_queue)
-        sub = Subscription(self, tuple(prefixes), source, decoder)
+        sub = Subscription(self, tuple(prefixes), source, decoder, exact=exact)
         self._subs.add(sub)
         return sub
 

@@ -16,6 +16,8 @@ from shunter.bus.messages import (
     HealthPing,
     HealthPong,
     Heartbeat,
+    LoadPages,
+    PagesLoaded,
     Tick,
 )
 from shunter.bus.transport import Received
@@ -53,6 +55,19 @@ async def test_types_without_prefixes_subscribe_to_exact_topics(connector):
     await a.publish(HealthPing("p"))
     await a.publish(Tick(1))
     assert (await recv(sub)).msg == Tick(1)
+
+
+async def test_a_typed_subscription_skips_topics_its_topics_are_a_prefix_of(connector):
+    """LoadPages is `spill.load`, its reply PagesLoaded `spill.loaded`: an executor that
+    subscribes by type gets the one and neither the other nor a DecodeFailed for it."""
+    a, b = connector.connect("a"), connector.connect("b")
+    sub = b.subscribe(types=(LoadPages,))
+    for bus in connector.buses:
+        await bus.wait_connected()
+    await a.publish(PagesLoaded(1, [7]))
+    await a.publish(LoadPages(2, [7], [0], [1]))
+    assert (await recv(sub)).msg == LoadPages(2, [7], [0], [1])
+    assert sub.statistics().num_decode_failed == 0
 
 
 async def test_received_objects_are_fresh_copies(connector):

@@ -12,6 +12,12 @@
 - /metrics: Prometheus text (only with enable_metrics; 404 otherwise).
 - /flush_cache (admin): drops the prefix cache through the cache manager. Like SGLang,
   refused (400) while requests are in flight: their prefixes are locked.
+- /hicache/storage-backend/clear (admin, POST; SGLang's older path
+  /clear_hicache_storage_backend takes GET and POST too): empties the file store below
+  the host tier (--hicache-storage-backend file), the blocks earlier runs and older
+  weights left included; what the device and host tiers hold stays. Requests may run
+  meanwhile: a block written or read before the clear finishes first. 400 when the
+  server has no file store.
 - /abort_request (admin): `{"rid": id}` or `{"abort_all": true}`; the affected requests
   end with finish_reason "abort".
 - /update_weights_from_disk (admin): `{"model_path": ...}`; a weights flip (flips.py):
@@ -168,6 +174,27 @@ async def flush_cache(request: web.Request) -> web.Response:
     return web.Response(
         text=f"Cache flushed ({result.num_pages_reclaimed} pages reclaimed).\n", status=200
     )
+
+
+_CLEARED = "Hierarchical cache storage backend cleared.\n"
+
+
+@routes.post("/hicache/storage-backend/clear")
+async def clear_store(request: web.Request) -> web.Response:
+    ctx = ctx_of(request)
+    ctx.engine.check_available()
+    result = await ctx.engine.clear_store()
+    if not result.ok:
+        raise bad_request(f"Storage backend not cleared: {result.reason}")
+    return web.Response(text=_CLEARED, status=200)
+
+
+@routes.route("GET", "/clear_hicache_storage_backend")
+@routes.route("POST", "/clear_hicache_storage_backend")
+async def clear_store_old_path(request: web.Request) -> web.Response:
+    response = await clear_store(request)
+    response.text = "Deprecated endpoint. Use POST /hicache/storage-backend/clear.\n" + _CLEARED
+    return response
 
 
 class AbortBody(msgspec.Struct, kw_only=True):

@@ -11,7 +11,8 @@ Routes (SGLang's and OpenAI's paths):
     /metrics; POST /flush_cache, /abort_request, /update_weights_from_disk,
     /pause_generation, /continue_generation; GET or POST
     /release_memory_occupation, /resume_memory_occupation,
-    /get_weights_by_name (admin)                                       (admin.py)
+    /get_weights_by_name (admin); POST /hicache/storage-backend/clear, GET or
+    POST /clear_hicache_storage_backend (admin)                        (admin.py)
     GET or POST /start_profile, /stop_profile (admin)                  (profile_api.py)
 
 Auth: with an api key set, every endpoint requires `Authorization: Bearer <key>`;
@@ -48,7 +49,9 @@ json_encoder = msgspec.json.Encoder()
 ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request", "/update_weights_from_disk",
                          "/pause_generation", "/continue_generation", "/start_profile",
                          "/stop_profile", "/release_memory_occupation",
-                         "/resume_memory_occupation", "/get_weights_by_name"})  # fmt: skip
+                         "/resume_memory_occupation", "/get_weights_by_name",
+                         "/hicache/storage-backend/clear",
+                         "/clear_hicache_storage_backend"})  # fmt: skip
 
 
 class Ctx:

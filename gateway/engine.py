@@ -36,6 +36,7 @@ from shunter.bus.messages import (
     AbortRequest,
     ActorDied,
     CacheStats,
+    ClearStore,
     DetokenizeQuery,
     DetokenizeReply,
     DropTree,
@@ -45,6 +46,7 @@ from shunter.bus.messages import (
     RequestFailed,
     SchedulerStats,
     Shutdown,
+    StoreCleared,
     TextDelta,
     TextDeltas,
     TokenizeQuery,
@@ -344,6 +346,11 @@ class Engine:
         except TimeoutError:
             return False
         return True
+
+    async def clear_store(self) -> StoreCleared:
+        clear_id = new_id("clear-")
+        return await self.ask(ClearStore(clear_id), StoreCleared,
+                              lambda c: c.clear_id == clear_id, "cache manager")  # fmt: skip
 
     async def flush_cache(self) -> TreeDropped:
         flip_id = new_id("flush-")

@@ -249,7 +249,7 @@ class Metrics:
             ]
         family("shunter:kv_pages", "gauge", "KV cache pages by tier and state.", pages)
         hits = [('tier="device"', c.num_hit_tokens - c.num_host_hit_tokens)]
-        store = c.num_store_blocks > 0 or c.num_stored_blocks > 0
+        store = c.store_block_tokens > 0
         if host:  # (tokens read back from the file store reach the device through the host)
             hits.append(('tier="host"', max(c.num_host_hit_tokens - c.num_store_hit_tokens, 0)))
         if store:

@@ -66,9 +66,11 @@ from shunter.actors.cache_manager.store_tier import StoreTier
 from shunter.actors.cache_manager.tiers import Tiers
 from shunter.bus.messages import (
     AllBlocksCleared,
+    BlocksErased,
     BlockStored,
     CacheStats,
     ChunkCached,
+    ClearStore,
     DropTree,
     FreeRefused,
     LeaseGranted,
@@ -93,7 +95,7 @@ from shunter.bus.messages import (
 Inbox = (
     Tokenized | RefreshMatch | LeaseRequest | LeaseReturned | ChunkCached | SequenceReleased
     | SchedulerCensus | DropTree | PagesSpilled | PagesLoaded | PagesStored | PagesFetched
-    | StoreListed | Tick
+    | StoreListed | ClearStore | BlocksErased | Tick
 )  # fmt: skip
 INBOX_TYPES: tuple[type[Msg], ...] = Inbox.__args__  # type: ignore[attr-defined]
 
@@ -201,6 +203,10 @@ class CacheManagerCore(Tiers):
                 if self.store is not None:
                     self.store.listed(keys)
                 return []
+            case ClearStore():
+                return self._on_clear_store(msg)
+            case BlocksErased():
+                return self._on_erased(msg)
         raise TypeError(f"cache manager core cannot handle {type(msg).__name__}")
 
     # -- matching -----------------------------------------------------------------

@@ -55,6 +55,7 @@ class CacheStatistics(msgspec.Struct, frozen=True, kw_only=True):
     num_fetched_blocks: int = 0  # read back into host pages
     num_store_hit_tokens: int = 0  # matched tokens read back from it
     num_store_copies_failed: int = 0
+    store_block_tokens: int = 0  # 0: no store
 
     @property
     def hit_rate(self) -> float:

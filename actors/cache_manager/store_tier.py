@@ -28,11 +28,18 @@ Theory of operation
     - A failed write forgets nothing (the blocks were not known); a failed fetch marks
       the nodes holding its pages invalid and forgets its keys, so no match tries them
       again.
+    - `clear(host, clear_id)` (ClearStore): every block file goes (EraseBlocks,
+      everything). The store runs its copies in the order they came, so the writes and
+      reads sent before the erase finish first and those sent after start after it:
+      the core forgets every known block now (no read of one is sent after the erase)
+      and `voided` the writes in flight (their PagesStored comes, but their files go).
+      Host and device pages keep what they hold.
 
 Invariants
     - `pinned` counts, per host page, the store copies in flight that use it.
     - every fetch's pages are in the host tier's `writes` under its copy id, with a
       `waiters` entry, until it is answered.
+    - a key is in `known` only if its file exists once every copy sent so far has run.
 """
 
 from __future__ import annotations
@@ -45,7 +52,15 @@ from collections.abc import Callable
 from shunter.actors.cache_manager.allocator import OUT, TREE
 from shunter.actors.cache_manager.host_tier import HostTier
 from shunter.actors.cache_manager.radix import EvictedBlock, Node, RadixTree
-from shunter.bus.messages import FetchPages, PagesFetched, PagesStored, StorePages
+from shunter.bus.messages import (
+    BlocksErased,
+    EraseBlocks,
+    FetchPages,
+    PagesFetched,
+    PagesStored,
+    StoreCleared,
+    StorePages,
+)
 
 
 def block_keys(generation: int, namespace: str, tokens: list[int], block_tokens: int) -> list[int]:
@@ -73,6 +88,8 @@ class StoreTier:
         self.stores: dict[int, tuple[list[int], list[int]]] = {}  # copy id -> keys, pages
         self.fetches: dict[int, tuple[list[int], list[int]]] = {}  # copy id -> keys, pages
         self.page_fetch: dict[int, int] = {}  # host page being fetched -> copy id
+        self.clears: dict[int, tuple[str, int]] = {}  # erase's copy id -> clear id, blocks
+        self.voided: set[int] = set()  # writes an erase sent after them undoes
         self.num_stored = self.num_fetched = self.num_hit = self.num_failed = 0
 
     @property
@@ -153,7 +170,9 @@ class StoreTier:
         keys, pages = entry
         self.pending.difference_update(keys)
         self._pin(pages, -1)
-        if msg.ok:
+        if msg.copy_id in self.voided:
+            self.voided.discard(msg.copy_id)
+        elif msg.ok:
             self.known.update(keys)
             self.num_stored += len(keys)
         else:
@@ -230,9 +249,29 @@ class StoreTier:
                     n.valid = False
         return list(host.waiters.pop(msg.copy_id))
 
+    # -- clearing -----------------------------------------------------------------
+
+    def clear(self, host: HostTier, clear_id: str) -> EraseBlocks:
+        """Empty the store: every block file goes (EraseBlocks, which the store runs
+        after the copies sent before it). Nothing known is matched from now on, and the
+        writes in flight count for nothing: their files go too."""
+        cid = host.next_copy_id()
+        self.clears[cid] = (clear_id, len(self.known))
+        self.known.clear()
+        self.voided.update(self.stores)
+        return EraseBlocks(cid, [], everything=True)
+
+    def erased(self, msg: BlocksErased) -> StoreCleared | None:
+        """An erase's reply, as its clear's answer; None when it answers none of ours."""
+        entry = self.clears.pop(msg.copy_id, None)
+        if entry is None:
+            return None
+        clear_id, num = entry
+        return StoreCleared(clear_id, msg.ok, num, msg.error)
+
     def counters(self) -> dict[str, int]:
         return dict(
             num_store_blocks=len(self.known), num_stored_blocks=self.num_stored,
             num_fetched_blocks=self.num_fetched, num_store_hit_tokens=self.num_hit,
-            num_store_copies_failed=self.num_failed,
+            num_store_copies_failed=self.num_failed, store_block_tokens=self.block_tokens,
         )  # fmt: skip

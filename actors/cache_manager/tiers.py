@@ -22,7 +22,9 @@ Theory of operation
     (StorePages); a match short of what the store holds of its tokens reads those
     blocks into host pages under a new host-only leaf (FetchPages) and is matched again
     once PagesFetched comes, loading them like any host-only prefix. StoreListed (from
-    the shell at start) tells the core what an earlier run left there.
+    the shell at start) tells the core what an earlier run left there. ClearStore
+    (/hicache/storage-backend/clear) empties the store (EraseBlocks) and is answered
+    with StoreCleared once the store has (BlocksErased).
 
     A request waiting for copies (`_Request.waiting`: their copy ids, with an entry in
     the host tier's `waiters`) gets no Matched until the last is answered, or is matched
@@ -45,12 +47,15 @@ from shunter.actors.cache_manager.radix import EvictedBlock, MatchResult, Node, 
 from shunter.actors.cache_manager.store_tier import StoreTier
 from shunter.bus.messages import (
     BlockRemoved,
+    BlocksErased,
+    ClearStore,
     DropTree,
     Msg,
     PagesEvictable,
     PagesFetched,
     PagesLoaded,
     PagesSpilled,
+    StoreCleared,
 )
 
 if TYPE_CHECKING:
@@ -202,6 +207,16 @@ class Tiers:
         for rid in rids:
             out += self._match_again(self.requests[rid], msg.copy_id)
         return self._drop_when_idle(out)
+
+    def _on_clear_store(self, msg: ClearStore) -> list[Msg]:
+        if self.host is None or self.store is None:
+            why = "no file store: start the server with --hicache-storage-backend file"
+            return [StoreCleared(msg.clear_id, ok=False, reason=why)]
+        return [self.store.clear(self.host, msg.clear_id)]
+
+    def _on_erased(self, msg: BlocksErased) -> list[Msg]:
+        cleared = self.store.erased(msg) if self.store is not None else None
+        return [] if cleared is None else [cleared]
 
     def _relief(self, num: int) -> list[Msg]:
         """A store copy ended: eviction may have skipped a leaf for it, and a short

@@ -31,11 +31,11 @@ memory of the weights, the KV cache and the decode graphs (memory.py); MemorySta
 says what is released now. WeightsQuery (/get_weights_by_name) is answered between
 batches with the first rows of a weight, named as in HF checkpoints. SpillPages and
 LoadPages (the cache manager's host KV tier) are started between batches in a worker
-thread (`ExecutorCore.copy`) without flushing the step in flight: on CUDA they run on
+thread (`ExecutorCore.copies`, copies.py) without flushing the step in flight: on CUDA they run on
 copy streams behind the forwards queued so far, on the CPU a forward is done when
-submit returns. StorePages and FetchPages (the file store below the host tier) run on
-the file store's own thread. A copy is answered (PagesSpilled, PagesLoaded,
-PagesStored, PagesFetched) once it has finished: a CPU spill or load before the next
+submit returns. StorePages, FetchPages and EraseBlocks (the file store below the host
+tier) run on the file store's own thread. A copy is answered (PagesSpilled,
+PagesLoaded, PagesStored, PagesFetched, BlocksErased) once it has finished: a CPU spill or load before the next
 message is taken, the rest when its event or future completes, which the loop waits
 for beside the next message and the step in flight. ProfileStart and
 ProfileStop (the gateway's /start_profile, /stop_profile) start and end a
@@ -64,12 +64,14 @@ import torch
 
 from shunter.actors.executor.build import build_core
 from shunter.actors.executor.config import ExecutorConfig
-from shunter.actors.executor.core import Copy, CopyReply, ExecutorCore
+from shunter.actors.executor.copies import Copy, CopyReply
+from shunter.actors.executor.core import ExecutorCore
 from shunter.actors.executor.loader import LoadError
 from shunter.actors.executor.memory import DeviceMemory
 from shunter.actors.executor.profiling import Profiler
 from shunter.actors.executor.reload import reload_weights
 from shunter.bus.messages import (
+    EraseBlocks,
     FetchPages,
     ForwardBatch,
     LoadPages,
@@ -93,7 +95,7 @@ from shunter.bus.transport import Bus
 log = structlog.get_logger(actor="executor")
 
 INBOX = (ForwardBatch, UpdateWeights, ReleaseMemory, ResumeMemory, ProfileStart, ProfileStop,
-         WeightsQuery, SpillPages, LoadPages, StorePages, FetchPages)  # fmt: skip
+         WeightsQuery, SpillPages, LoadPages, StorePages, FetchPages, EraseBlocks)  # fmt: skip
 Inbound = (ForwardBatch | UpdateWeights | ReleaseMemory | ResumeMemory | ProfileStart
            | ProfileStop | WeightsQuery | Copy)  # fmt: skip
 MAX_WEIGHT_VALUES = 1 << 22  # the most values one WeightsSlice carries
@@ -150,14 +152,14 @@ async def _serve(core: ExecutorCore, config: ExecutorConfig, sub: Subscription, 
         if isinstance(batch, FLIPS):
             if submitted:
                 await out.publish(await anyio.to_thread.run_sync(core.flush))
-            await _publish_copies(bus, await anyio.to_thread.run_sync(core.copies_done, True))
+            await _publish_copies(bus, await anyio.to_thread.run_sync(core.copies.done, True))
             await bus.publish(await anyio.to_thread.run_sync(_flip, core, config, memory, batch))
         elif isinstance(batch, ProfileStart | ProfileStop):
             await bus.publish(await anyio.to_thread.run_sync(prof.handle, batch))
         elif isinstance(batch, WeightsQuery):
             await bus.publish(await anyio.to_thread.run_sync(_weights, core, memory, batch))
         elif isinstance(batch, Copy):
-            reply = await anyio.to_thread.run_sync(core.copy, batch)
+            reply = await anyio.to_thread.run_sync(core.copies.copy, batch)
             await _publish_copies(bus, [] if reply is None else [reply])
         else:
             if submitted and core.step_ready():
@@ -166,7 +168,7 @@ async def _serve(core: ExecutorCore, config: ExecutorConfig, sub: Subscription, 
             await out.publish(await anyio.to_thread.run_sync(core.submit, batch))
         batch = _WOKE
         while batch is _WOKE:  # until a message comes (or the subscription closes)
-            await _publish_copies(bus, core.copies_done())
+            await _publish_copies(bus, core.copies.done())
             if not submitted:
                 batch = await _receive_unless_done(core, sub, copy_waits, step=False)
                 continue
@@ -240,14 +242,14 @@ async def _receive_unless_done(core: ExecutorCore, sub: Subscription,
     waits = [(core.wait_step_ready, None)] if step else []
     if step and core.step_ready():
         return _WOKE
-    waits += [(w, copy_waits) for w in core.copy_waiters()]
+    waits += [(w, copy_waits) for w in core.copies.waiters()]
     if not waits:
         return await _receive(sub)
     got: list[Inbound | None] = []
     async with anyio.create_task_group() as tg:
 
         async def done(wait, limiter) -> None:
-            # A device error is the step's or the copy's: flush or copies_done reports it.
+            # A device error is the step's or the copy's: flush or copies.done reports it.
             with contextlib.suppress(Exception):
                 await anyio.to_thread.run_sync(wait, abandon_on_cancel=True, limiter=limiter)
             tg.cancel_scope.cancel()

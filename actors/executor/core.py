@@ -37,11 +37,9 @@ tokens reach the host, and step N+1's sample sees every host state step N change
 order would: the results are the same, token for token. `flush()` finishes the step
 in flight; `step(batch)` is submit then flush; `handle` calls `step`.
 
-`copy(msg)` runs a SpillPages or LoadPages between batches through the host pool
-(host_pool.py; None when the host KV tier is off) and answers it; on CUDA the copy is
-queued behind the forwards on a copy stream, so no step in flight needs finishing
-first, and it is answered later: its reply waits in `_copies` until the copy has
-landed, and `copies_done()` hands the finished ones out, oldest first.
+`copies` (copies.py) runs the copies between KV tiers that the cache manager asks for
+(host pool, file store) between batches; a device copy is queued behind the forwards
+on a copy stream, so no step in flight needs finishing first.
 
 Row tables (row_tables.py): every row's page ids and the KV slot of every token
 position; each entry's slot table handed to the runner is a view of a row, so a
@@ -62,15 +60,14 @@ Invariants
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
 import torch
 
+from shunter.actors.executor.copies import Copies
 from shunter.actors.executor.core_plan import (
     Entry,
     Geometry,
@@ -94,17 +91,9 @@ from shunter.actors.executor.sampling import (
 )
 from shunter.actors.executor.slot_table import SLICE_MAX_ENTRIES, device_tensor, long_tensor
 from shunter.bus.messages import (
-    FetchPages,
     ForwardBatch,
-    LoadPages,
     Msg,
-    PagesFetched,
-    PagesLoaded,
-    PagesSpilled,
-    PagesStored,
-    SpillPages,
     StepResult,
-    StorePages,
     TopLogprob,
 )
 from shunter.kernels.page_layout import to_device
@@ -115,23 +104,6 @@ if TYPE_CHECKING:
     from shunter.actors.grammar.token_fsm import TokenFsm
 
 Inbox = ForwardBatch
-Copy = SpillPages | LoadPages | StorePages | FetchPages
-CopyReply = PagesSpilled | PagesLoaded | PagesStored | PagesFetched
-_REPLY: dict[type, type] = {SpillPages: PagesSpilled, LoadPages: PagesLoaded,
-                            StorePages: PagesStored, FetchPages: PagesFetched}  # fmt: skip
-
-
-class _FileDone:
-    """A file store copy's future, as the copies in flight are waited for (an event)."""
-
-    def __init__(self, fut: Future[None]) -> None:
-        self.fut = fut
-
-    def query(self) -> bool:
-        return self.fut.done()
-
-    def synchronize(self) -> None:
-        self.fut.result()
 
 
 class ExecutorStats(msgspec.Struct, frozen=True):
@@ -175,6 +147,7 @@ class ExecutorCore:
         self.runner = runner
         self.host_pool = host_pool  # the host KV tier; None: off
         self.file_store = file_store  # the file store below it; None: off
+        self.copies = Copies(lambda: self.runner.kv_pool, host_pool, file_store)
         # pattern -> its token automaton (constrained decoding); None: regex refused
         self.grammars = grammars
         self.page_size: int = runner.kv_pool.page_size
@@ -193,8 +166,6 @@ class ExecutorCore:
         device = torch.device(getattr(runner, "device", "cpu"))
         self._last_tokens = torch.zeros(max_num_rows, dtype=torch.int64, device=device)
         self._inflight: _InFlight | None = None
-        # copies running on the device, oldest first: (done event, their reply)
-        self._copies: deque[tuple[torch.cuda.Event | _FileDone, CopyReply]] = deque()
         self._last_error: str | None = None
         self.reset_statistics()
 
@@ -238,60 +209,6 @@ class ExecutorCore:
         """Finish the step in flight: its result, or [] if none was submitted."""
         prev, self._inflight = self._inflight, None
         return [] if prev is None else [self._finish(prev)]
-
-    def copy(self, msg: Copy) -> CopyReply | None:
-        """Run a spill or load (host_pool.py), or a file store write or fetch
-        (file_store.py, on its worker thread), and answer it, or None for a copy still
-        running (copies_done() answers it); never raises: a refused or failed copy is
-        answered with ok=False and why."""
-        reply = _REPLY[type(msg)]
-        try:
-            if self.host_pool is None:
-                raise ValueError("the host KV tier is off")
-            pool = self.runner.kv_pool
-            done: torch.cuda.Event | _FileDone | None
-            if isinstance(msg, SpillPages):
-                done = self.host_pool.spill(pool, msg.device_pages, msg.host_pages)
-            elif isinstance(msg, LoadPages):
-                done = self.host_pool.load(pool, msg.host_pages, msg.device_pages)
-            elif self.file_store is None:
-                raise ValueError("the file store is off")
-            elif isinstance(msg, StorePages):
-                done = _FileDone(self.file_store.write(msg.keys, msg.host_pages))
-            else:
-                done = _FileDone(self.file_store.fetch(msg.keys, msg.skip, msg.host_pages))
-        except Exception as e:
-            return reply(msg.copy_id, msg.keys, ok=False, error=_why(e))
-        if done is None:
-            return reply(msg.copy_id, msg.keys)
-        self._copies.append((done, reply(msg.copy_id, msg.keys)))
-        return None
-
-    def copies_done(self, wait: bool = False) -> list[CopyReply]:
-        """The replies of the copies that have finished, oldest first (with `wait`: of
-        every copy, blocking until they have). A load does not wait for an older spill:
-        each direction has its own stream (and the file store its own thread)."""
-        out, running = [], deque()
-        for done, reply in self._copies:
-            try:
-                if not wait and not done.query():
-                    running.append((done, reply))
-                    continue
-                done.synchronize()
-            except Exception as e:  # a device error ends the copy: its pages are not kept
-                reply = msgspec.structs.replace(reply, ok=False, error=_why(e))
-            out.append(reply)
-        self._copies = running
-        return out
-
-    def copy_waiters(self) -> list[Callable[[], None]]:
-        """Calls that block until the oldest copy in flight in each direction has
-        finished (to run in other threads; they change nothing): one returns as soon as
-        any copy is done, since each direction's copies finish in order."""
-        oldest: dict[type, Callable[[], None]] = {}
-        for done, reply in self._copies:
-            oldest.setdefault(type(reply), done.synchronize)
-        return list(oldest.values())
 
     def step_ready(self) -> bool:
         """Whether flush() would return without waiting for the device."""
@@ -523,8 +440,3 @@ class ExecutorCore:
             prompt_logprobs=prompt_logprobs,
             prompt_top_logprobs=prompt_top,
         )
-
-
-def _why(e: Exception) -> str:
-    """A copy's failure as its reply says it: a refusal's own words, else the type too."""
-    return str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"

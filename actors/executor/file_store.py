@@ -7,7 +7,8 @@ hash chain over the prefix's whole blocks, so a key names the content, not where
 block lives. Which blocks the store holds and which host pages hold them are the cache
 manager's bookkeeping; FileStore only moves bytes between host pages and files. `write`
 gathers a block's slots from the host pool into a file; `fetch` reads files back into
-host pages, the first block possibly from page `skip` on (the tree has its head).
+host pages, the first block possibly from page `skip` on (the tree has its head);
+`erase` deletes blocks' files, or every block file in the directory (a cleared store).
 
 All of one model's blocks live in `path` = root / <16 hex digits of blake2b(fingerprint)>,
 so models (or layouts) never read each other's files; `layout.json` there names the
@@ -50,6 +51,7 @@ _VERSION = 1
 # magic, version, block_tokens, num_layers, num_kv_heads, head_dim, dtype, key, padding
 _HEADER = struct.Struct("<8s5I16sq12x")
 _NAME = re.compile(r"[0-9a-f]{16}\.kv")
+_TEMP = re.compile(r"[0-9a-f]{16}\.kv\..*\.tmp")  # a block being written (mkstemp's name)
 _U64 = 2**64
 
 
@@ -114,12 +116,19 @@ class FileStore:
             raise ValueError("a host page is a fetch destination twice")
         return self._worker.submit(self._fetch, list(keys), skip, list(host_pages))
 
+    def erase(self, keys: list[int], everything: bool = False) -> concurrent.futures.Future[int]:
+        """Delete the files of blocks `keys` (a missing one is no error), or with
+        `everything` every block file in `path` and the temp files a killed process
+        left there. The future gives the number of files deleted."""
+        self._check(keys, [], None)
+        return self._worker.submit(self._erase, list(keys), everything)
+
     def close(self) -> None:
         """Finish the queued work and stop the worker thread."""
         self._worker.shutdown(wait=True)
 
-    def _check(self, keys: list[int], host_pages: list[int], num_pages: int) -> None:
-        if len(host_pages) != num_pages:
+    def _check(self, keys: list[int], host_pages: list[int], num_pages: int | None) -> None:
+        if num_pages is not None and len(host_pages) != num_pages:
             raise ValueError(
                 f"{len(keys)} blocks of {self.block_pages} pages need {num_pages} host "
                 f"pages, got {len(host_pages)}"
@@ -151,6 +160,22 @@ class FileStore:
             except BaseException:
                 pathlib.Path(tmp).unlink(missing_ok=True)
                 raise
+
+    def _erase(self, keys: list[int], everything: bool) -> int:
+        if everything:  # (the writes queued before this have finished: no temp file is live)
+            with os.scandir(self.path) as it:
+                files = [e.path for e in it
+                         if (_NAME.fullmatch(e.name) or _TEMP.fullmatch(e.name)) and e.is_file()]  # fmt: skip
+        else:
+            files = [self.path / _name(k) for k in keys]
+        num = 0
+        for f in files:
+            try:
+                os.unlink(f)
+                num += 1
+            except FileNotFoundError:
+                pass
+        return num
 
     def _fetch(self, keys: list[int], skip: int, host_pages: list[int]) -> None:
         at = 0  # host_pages consumed so far

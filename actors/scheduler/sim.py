@@ -30,9 +30,12 @@ from shunter.actors.scheduler.core import SchedulerCore
 from shunter.bus.messages import (
     LAST_SAMPLED,
     AbortRequest,
+    BlocksErased,
     Census,
     CensusBroken,
     ChunkCached,
+    ClearStore,
+    EraseBlocks,
     FetchPages,
     ForwardBatch,
     FreeRefused,
@@ -54,6 +57,7 @@ from shunter.bus.messages import (
     SequenceReleased,
     SpillPages,
     StepResult,
+    StoreCleared,
     StorePages,
     Tokenized,
     TokensOut,
@@ -107,25 +111,26 @@ class SimExecutor:
         self.clobbered: dict[int, int] = {}  # row -> a page of its a load wrote into
         self.num_steps = 0
         self.num_copies = 0
+        self.num_missing_blocks = 0  # reads of a block the store does not hold
 
     def _fail(self, why: str) -> None:
         raise ProtocolError(why)
 
-    def copy(self, m: SpillPages | LoadPages | StorePages | FetchPages
-             ) -> PagesSpilled | PagesLoaded | PagesStored | PagesFetched:  # fmt: skip
+    def copy(self, m: SpillPages | LoadPages | StorePages | FetchPages | EraseBlocks
+             ) -> PagesSpilled | PagesLoaded | PagesStored | PagesFetched | BlocksErased:  # fmt: skip
         """A host-tier copy, page for page, every slot of each page; or a file store
-        write or read, block by block."""
+        write, read or erase, block by block."""
         self.num_copies += 1
         ps = self.page_size
         if self.fail_copies and mix64(m.copy_id, 7) % self.fail_copies == 0:
             reply = {SpillPages: PagesSpilled, LoadPages: PagesLoaded, StorePages: PagesStored,
-                     FetchPages: PagesFetched}[type(m)]  # fmt: skip
+                     FetchPages: PagesFetched, EraseBlocks: BlocksErased}[type(m)]  # fmt: skip
             if isinstance(m, LoadPages):  # the device pages it was to write hold garbage
                 for d in m.device_pages:
                     for o in range(ps):
                         self.kv.pop(d * ps + o, None)
             return reply(m.copy_id, m.keys, ok=False, error="injected")
-        if isinstance(m, StorePages | FetchPages):
+        if isinstance(m, StorePages | FetchPages | EraseBlocks):
             return self._store_copy(m)
         if isinstance(m, SpillPages):
             for d, h in zip(m.device_pages, m.host_pages, strict=True):
@@ -143,15 +148,21 @@ class SimExecutor:
                     self.kv[d * ps + o] = t
         return PagesLoaded(m.copy_id, m.keys)
 
-    def _store_copy(self, m: StorePages | FetchPages) -> PagesStored | PagesFetched:
+    def _store_copy(self, m: StorePages | FetchPages | EraseBlocks
+                    ) -> PagesStored | PagesFetched | BlocksErased:  # fmt: skip
         ps, bp = self.page_size, self.block_pages
+        if isinstance(m, EraseBlocks):
+            for key in list(self.store) if m.everything else m.keys:
+                self.store.pop(key, None)
+            return BlocksErased(m.copy_id, m.keys)
         if isinstance(m, StorePages):
             for i, key in enumerate(m.keys):
                 pages = m.host_pages[i * bp : (i + 1) * bp]
                 self.store.setdefault(key, [self.host_kv.get(h * ps + o)
                                             for h in pages for o in range(ps)])  # fmt: skip
             return PagesStored(m.copy_id, m.keys)
-        if any(k not in self.store for k in m.keys):
+        if any(k not in self.store for k in m.keys):  # (the cache manager knew it held them)
+            self.num_missing_blocks += 1
             return PagesFetched(m.copy_id, m.keys, ok=False, error="no such block")
         slots = [t for k in m.keys for t in self.store[k]][m.skip * ps :]
         for i, h in enumerate(m.host_pages):
@@ -251,9 +262,9 @@ class SimExecutor:
 
 TO_CACHE = (LeaseRequest, LeaseReturned, ChunkCached, SequenceReleased, RefreshMatch,
             SchedulerCensus, Tokenized, PagesSpilled, PagesLoaded, PagesStored,
-            PagesFetched)  # fmt: skip
+            PagesFetched, ClearStore, BlocksErased)  # fmt: skip
 TO_SCHED = (Matched, LeaseGranted, StepResult, PagesEvictable)
-TO_EXE = (ForwardBatch, SpillPages, LoadPages, StorePages, FetchPages)
+TO_EXE = (ForwardBatch, SpillPages, LoadPages, StorePages, FetchPages, EraseBlocks)
 
 
 class Cluster:
@@ -290,6 +301,7 @@ class Cluster:
         self.censuses: list[Census] = []
         self.problems: list[Msg] = []  # CensusBroken, FreeRefused
         self.failed: list[RequestFailed] = []
+        self.cleared: list[StoreCleared] = []
         self.num_delivered = 0
 
     def route(self, msgs: list[Msg]) -> None:
@@ -309,6 +321,8 @@ class Cluster:
                 self.problems.append(m)
             elif isinstance(m, RequestFailed):
                 self.failed.append(m)
+            elif isinstance(m, StoreCleared):
+                self.cleared.append(m)
 
     def submit(self, t: Tokenized) -> None:
         self.route(self.cache.handle(t))

@@ -73,6 +73,9 @@ from shunter.bus.messages.sched import (
     TokensOut,
 )
 from shunter.bus.messages.spill import (
+    BlocksErased,
+    ClearStore,
+    EraseBlocks,
     FetchPages,
     LoadPages,
     PagesFetched,
@@ -80,6 +83,7 @@ from shunter.bus.messages.spill import (
     PagesSpilled,
     PagesStored,
     SpillPages,
+    StoreCleared,
     StoreListed,
     StorePages,
 )
@@ -102,7 +106,7 @@ ALL_MESSAGES: tuple[type[Msg], ...] = (
     TreeDropped, BlockStored, BlockRemoved, AllBlocksCleared, PagesEvictable, CacheStats,
     ForwardBatch, StepResult, TokensOut, Tick, SchedulerStats, SchedulerConfigured,
     SpillPages, PagesSpilled, LoadPages, PagesLoaded, StorePages, PagesStored, FetchPages,
-    PagesFetched, StoreListed,
+    PagesFetched, StoreListed, ClearStore, StoreCleared, EraseBlocks, BlocksErased,
     FlipBegin, AdmissionPaused, FlipCutover, FlipDone, FlipQuiesced, UpdateWeights,
     WeightsUpdated, Ready, Heartbeat, HealthPing, HealthPong, ActorDied, Shutdown, BusGap, DecodeFailed,
     ProfileStart, ProfileStop, ProfileStatus, ReleaseMemory, ResumeMemory, MemoryState,
@@ -117,17 +121,18 @@ assert len(TOPICS) == len(ALL_MESSAGES), "two messages share a tag"
 
 __all__ = [
     "ALL_MESSAGES", "LAST_SAMPLED", "TOPICS", "AbortRequest", "ActorDied", "AdmissionPaused",
-    "AllBlocksCleared", "AnyMessage", "BlockRemoved", "BlockStored", "BusGap", "CacheStats",
-    "Census", "CensusBroken", "ChatMessage", "ChunkCached", "DecodeFailed", "DetokenizeQuery",
-    "DetokenizeReply", "DropTree", "Envelope", "FetchPages", "FinishReason", "FlipBegin", "FlipCutover",
-    "FlipDone", "FlipQuiesced", "ForwardBatch", "FreeRefused", "GenerateRequest", "HealthPing",
-    "HealthPong", "Heartbeat", "LeaseGranted", "LeaseRequest", "LeaseReturned", "LoadPages",
-    "Matched", "MemoryState", "Msg", "PagesEvictable", "PagesFetched", "PagesLoaded", "PagesSpilled",
-    "PagesStored", "ProfileStart",
-    "ProfileStatus", "ProfileStop", "Ready", "RefreshMatch", "ReleaseMemory", "RequestFailed",
-    "RequestOutput", "ResumeMemory", "RowOpen", "SamplingParams", "SchedulerCensus",
-    "SchedulerConfigured", "SchedulerStats", "SequenceReleased", "Shutdown", "SpillPages",
-    "StepResult", "StoreListed", "StorePages", "TextDelta", "TextDeltas", "Tick", "TokenizeQuery", "TokenizeReply",
-    "Tokenized", "TokensOut", "TopLogprob", "TreeDropped", "UpdateWeights", "WeightsQuery",
-    "WeightsSlice", "WeightsUpdated", "topic_of"
+    "AllBlocksCleared", "AnyMessage", "BlockRemoved", "BlockStored", "BlocksErased", "BusGap",
+    "CacheStats", "Census", "CensusBroken", "ChatMessage", "ChunkCached", "ClearStore",
+    "DecodeFailed", "DetokenizeQuery", "DetokenizeReply", "DropTree", "Envelope", "EraseBlocks",
+    "FetchPages", "FinishReason", "FlipBegin", "FlipCutover", "FlipDone", "FlipQuiesced",
+    "ForwardBatch", "FreeRefused", "GenerateRequest", "HealthPing", "HealthPong", "Heartbeat",
+    "LeaseGranted", "LeaseRequest", "LeaseReturned", "LoadPages", "Matched", "MemoryState",
+    "Msg", "PagesEvictable", "PagesFetched", "PagesLoaded", "PagesSpilled", "PagesStored",
+    "ProfileStart", "ProfileStatus", "ProfileStop", "Ready", "RefreshMatch", "ReleaseMemory",
+    "RequestFailed", "RequestOutput", "ResumeMemory", "RowOpen", "SamplingParams",
+    "SchedulerCensus", "SchedulerConfigured", "SchedulerStats", "SequenceReleased", "Shutdown",
+    "SpillPages", "StepResult", "StoreCleared", "StoreListed", "StorePages", "TextDelta",
+    "TextDeltas", "Tick", "TokenizeQuery", "TokenizeReply", "Tokenized", "TokensOut",
+    "TopLogprob", "TreeDropped", "UpdateWeights", "WeightsQuery", "WeightsSlice",
+    "WeightsUpdated", "topic_of"
 ]  # fmt: skip

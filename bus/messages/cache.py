@@ -146,6 +146,7 @@ class CacheStats(Msg, tag="cache.stats"):
     num_fetched_blocks: int = 0  # blocks read back into host pages
     num_store_hit_tokens: int = 0  # tokens read back from it for a match
     num_store_copies_failed: int = 0
+    store_block_tokens: int = 0  # the store's block size: 0 when there is no store
 
 
 class PagesEvictable(Msg, tag="cache.evictable"):

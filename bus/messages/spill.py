@@ -94,3 +94,35 @@ class StoreListed(Msg, tag="spill.listed"):
     """The blocks the file store holds, listed by the cache manager's shell at start."""
 
     keys: list[int]
+
+
+class ClearStore(Msg, tag="spill.clear_store"):
+    """Empty the file store (POST /hicache/storage-backend/clear): every block file in
+    its directory goes, those an earlier run or older weights left too. The device and
+    host tiers keep what they hold. Answered by StoreCleared."""
+
+    clear_id: str
+
+
+class StoreCleared(Msg, tag="spill.store_cleared"):
+    clear_id: str
+    ok: bool = True
+    num_blocks: int = 0  # blocks the cache manager knew of and forgot
+    reason: str = ""  # why not, when ok is False
+
+
+class EraseBlocks(Msg, tag="spill.erase"):
+    """Delete block files: those of `keys`, or with `everything` every block file in the
+    store's directory. Ordered with the store's writes and reads: those sent before it
+    have finished before it starts, those sent after it start after it ends."""
+
+    copy_id: int
+    keys: list[int]
+    everything: bool = False
+
+
+class BlocksErased(Msg, tag="spill.erased"):
+    copy_id: int
+    keys: list[int]
+    ok: bool = True
+    error: str = ""

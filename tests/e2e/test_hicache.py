@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import time
+import urllib.request
 
 import openai
 import pytest
@@ -19,12 +20,14 @@ from shunter.bus.log import LogReader
 from shunter.bus.messages import (
     Census,
     CensusBroken,
+    DecodeFailed,
     FetchPages,
     LoadPages,
     PagesFetched,
     PagesLoaded,
     PagesSpilled,
     SpillPages,
+    StoreCleared,
     StoreListed,
 )
 
@@ -79,6 +82,8 @@ def test_a_prefix_evicted_from_the_device_comes_back_from_the_host(
         assert re.search(r'shunter:kv_pages\{[^}]*tier="host",state="cached"\} [1-9]', text), text
         info = call(server, "/get_server_info", method="GET")[1]
         assert info["cache"]["num_host_pages"] == 4 * info["num_kv_pages"]
+        status, err = call(server, "/hicache/storage-backend/clear")  # no store to clear
+        assert status == 400 and "--hicache-storage-backend file" in err["error"]["message"]
 
     msgs = [m for _, m in LogReader(server.events_dir).messages()]
     spills = [m for m in msgs if isinstance(m, SpillPages)]
@@ -90,7 +95,7 @@ def test_a_prefix_evicted_from_the_device_comes_back_from_the_host(
     assert sum(len(m.device_pages) for m in loads) >= cached - 8
     census = [m for m in msgs if isinstance(m, Census)]
     assert {c.tier for c in census} == {"device", "host"} and all(c.ok for c in census)
-    assert not [m for m in msgs if isinstance(m, CensusBroken)]
+    assert not [m for m in msgs if isinstance(m, CensusBroken | DecodeFailed)]
     # the copies' replies are in the cache manager's recorded inbox: it replays exactly
     r = subprocess.run([sys.executable, "-m", "shunter.ops.busctl", "replay", str(server.events_dir),
                         "--actor", "cache", "--allow-short-recording"],
@@ -104,7 +109,8 @@ def test_a_later_server_reads_the_prefix_back_from_the_file_store(
     """A prompt served once is written to the file store (in whole blocks of 64 tokens)
     as its backup lands; a new server on the same model and directory lists the blocks
     at start and answers the prompt again with them cached: read into host pages, loaded
-    to the device, the same greedy answer. Both cache managers replay."""
+    to the device, the same greedy answer. Then it clears the store (both paths): the
+    block files are gone and the server goes on storing. Both cache managers replay."""
     store = tmp_path / "store"
     args = ("--enable-hierarchical-cache", "--enable-metrics", "--hicache-storage-backend",
             "file", "--hicache-storage-dir", str(store))  # fmt: skip
@@ -126,6 +132,7 @@ def test_a_later_server_reads_the_prefix_back_from_the_file_store(
                 while not re.search(hit, text := server.get("/metrics")[1].decode()):
                     assert time.monotonic() < deadline, text
                     time.sleep(0.2)
+                _clear_then_store_again(server, client, store)
         servers.append(server)
     first, again = answers
     assert again.choices[0].text == first.choices[0].text
@@ -137,8 +144,34 @@ def test_a_later_server_reads_the_prefix_back_from_the_file_store(
     assert len(listed.keys) >= 2 and fetches and set(fetches[0].keys) <= set(listed.keys)
     assert all(m.ok for m in msgs if isinstance(m, PagesFetched))
     assert all(c.ok for c in msgs if isinstance(c, Census))
+    assert [m.ok for m in msgs if isinstance(m, StoreCleared)] == [True, True]
+    assert not [m for m in msgs if isinstance(m, DecodeFailed)]
     for s in servers:
         r = subprocess.run([sys.executable, "-m", "shunter.ops.busctl", "replay",
                             str(s.events_dir), "--actor", "cache", "--allow-short-recording"],
                            capture_output=True, text=True, timeout=300)  # fmt: skip
         assert r.returncode == 0 and "identical" in r.stdout, r.stdout + r.stderr
+
+
+def _clear_then_store_again(server, client, store) -> None:
+    """POST /hicache/storage-backend/clear, then SGLang's older GET path: every block
+    file goes and /metrics counts none; a new prompt's blocks are written as before."""
+    req = urllib.request.Request(server.base_url + "/hicache/storage-backend/clear", data=b"",
+                                 method="POST")  # fmt: skip
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status == 200 and r.read() == b"Hierarchical cache storage backend cleared.\n"
+    assert not list(store.rglob("*.kv"))
+    status, body = server.get("/clear_hicache_storage_backend")
+    assert status == 200 and body.startswith(b"Deprecated endpoint.")
+    deadline = time.monotonic() + 10
+    while not re.search(
+        r"shunter:store_blocks\{[^}]*\} 0", text := server.get("/metrics")[1].decode()
+    ):
+        assert time.monotonic() < deadline, text
+        time.sleep(0.2)
+    client.completions.create(model="SmolLM2-135M-Instruct", prompt=_prompt(TOPICS[4]),
+                              max_tokens=2, temperature=0)  # fmt: skip
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and len(list(store.rglob("*.kv"))) < 2:
+        time.sleep(0.1)
+    assert len(list(store.rglob("*.kv"))) >= 2

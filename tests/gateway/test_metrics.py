@@ -80,3 +80,22 @@ def test_cache_families_follow_the_latest_cache_stats():
     assert 'shunter:prefix_hit_tokens_total{model_name="m",tier="host"} 12' in samples
     assert 'shunter:kv_pages{model_name="m",tier="host",state="writing"} 10' in samples
     assert 'shunter:kv_pages_copied_total{model_name="m",direction="to_device"} 12' in samples
+
+
+def test_store_families_show_whenever_a_store_is_configured():
+    """An empty store (a fresh directory, or one just cleared) is still a store: its
+    gauge says 0 rather than vanishing."""
+    from shunter.bus.messages import CacheStats
+
+    m = Metrics("m")
+    host = dict(num_pages=100, num_free=60, num_in_tree=30, num_queried_tokens=50,
+                num_hit_tokens=20, num_evicted_pages=7, num_host_pages=400)  # fmt: skip
+    m.cache = CacheStats(**host)
+    assert "shunter:store_blocks" not in m.render()
+    m.cache = CacheStats(**host, store_block_tokens=64)
+    samples = [ln for ln in m.render().splitlines() if ln.startswith("shunter:")]
+    assert all(LINE.match(ln) for ln in samples), samples
+    assert 'shunter:store_blocks{model_name="m"} 0' in samples
+    assert 'shunter:prefix_hit_tokens_total{model_name="m",tier="store"} 0' in samples
+    m.cache = CacheStats(**host, store_block_tokens=64, num_store_blocks=3, num_stored_blocks=5)
+    assert 'shunter:store_blocks{model_name="m"} 3' in m.render()

@@ -10,8 +10,11 @@ from shunter.actors.cache_manager.config import CacheConfig
 from shunter.actors.cache_manager.core import CacheManagerCore
 from shunter.actors.cache_manager.store_tier import block_keys
 from shunter.bus.messages import (
+    BlocksErased,
     Census,
+    ClearStore,
     DropTree,
+    EraseBlocks,
     FetchPages,
     LeaseGranted,
     LeaseRequest,
@@ -26,6 +29,7 @@ from shunter.bus.messages import (
     SchedulerCensus,
     SequenceReleased,
     SpillPages,
+    StoreCleared,
     StoreListed,
     StorePages,
     Tokenized,
@@ -185,3 +189,49 @@ def test_no_read_where_a_node_the_match_stopped_before_starts():
     (m2,) = core.handle(Tokenized("c", [*A, 2], SP))
     assert isinstance(m2, Matched) and m2.num_cached_tokens == 0
     assert census_ok(core, seq)
+
+
+def test_a_clear_empties_the_store_and_no_read_follows_it():
+    core, seq = make(), Seq()
+    st = stored(core, "a", A, seq)
+    core.handle(DropTree("f"))
+    (er,) = core.handle(ClearStore("c1"))
+    assert er == EraseBlocks(er.copy_id, [], everything=True)
+    assert not core.store.known and core.statistics().num_store_blocks == 0
+    (m,) = core.handle(Tokenized("b", [*A, 1], SP))  # no FetchPages of the erased blocks
+    assert isinstance(m, Matched) and m.num_cached_tokens == 0
+    (done,) = core.handle(BlocksErased(er.copy_id, []))
+    assert done == StoreCleared("c1", ok=True, num_blocks=len(st.keys))
+    assert core.handle(BlocksErased(er.copy_id, [])) == []  # answered once
+    assert census_ok(core, seq)
+
+
+def test_a_write_in_flight_at_a_clear_counts_for_nothing_and_later_ones_do():
+    """The store runs copies in order: a write sent before the erase lands and is erased
+    after it, so its PagesStored must not make its blocks known; a write sent after the
+    erase stays."""
+    core, seq = make(), Seq()
+    (sp,) = of(serve(core, "a", A, seq), SpillPages)
+    (st,) = of(core.handle(PagesSpilled(sp.copy_id, sp.keys)), StorePages)
+    (er,) = core.handle(ClearStore("c1"))
+    assert core.handle(PagesStored(st.copy_id, st.keys)) == []
+    assert not core.store.known
+    core.handle(BlocksErased(er.copy_id, []))
+    B = list(range(200, 210))
+    (sp,) = of(serve(core, "b", B, seq), SpillPages)
+    (st_b,) = of(core.handle(PagesSpilled(sp.copy_id, sp.keys)), StorePages)
+    core.handle(PagesStored(st_b.copy_id, st_b.keys))
+    assert core.store.known == set(st_b.keys) and census_ok(core, seq)
+
+
+def test_a_clear_is_refused_without_a_store_and_reports_a_failed_erase():
+    (no,) = CacheManagerCore(CacheConfig(num_pages=8, num_host_pages=8)).handle(ClearStore("x"))
+    assert no.clear_id == "x" and not no.ok and "--hicache-storage-backend file" in no.reason
+    (no,) = CacheManagerCore(CacheConfig(num_pages=8)).handle(ClearStore("y"))
+    assert not no.ok
+    core = make()
+    core.handle(StoreListed([5, 6]))
+    (er,) = core.handle(ClearStore("z"))
+    (done,) = core.handle(BlocksErased(er.copy_id, [], ok=False, error="read-only file system"))
+    assert done == StoreCleared("z", ok=False, num_blocks=2, reason="read-only file system")
+    assert not core.store.known  # what is left there is matched no more

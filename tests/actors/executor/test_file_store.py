@@ -198,17 +198,23 @@ def test_bad_arguments_raise_at_call_time_and_queue_nothing(stores, call, match)
     assert store.list_keys() == []
 
 
-def test_close_waits_for_queued_writes_and_fetch_sees_earlier_writes(tmp_path, monkeypatch):
-    host = _host(4)
-    store = FileStore(tmp_path, host, BLOCK_PAGES, FP)
-    gate = threading.Event()
+@pytest.fixture
+def gate(monkeypatch) -> threading.Event:
+    """Every FileStore write waits until the returned event is set (at most 5 s)."""
+    event = threading.Event()
     real_write = FileStore._write
 
     def slow_write(self, keys, host_pages):
-        gate.wait(5)
+        event.wait(5)
         real_write(self, keys, host_pages)
 
     monkeypatch.setattr(FileStore, "_write", slow_write)
+    return event
+
+
+def test_close_waits_for_queued_writes_and_fetch_sees_earlier_writes(tmp_path, gate):
+    host = _host(4)
+    store = FileStore(tmp_path, host, BLOCK_PAGES, FP)
     futures = [store.write([k], [2 * k, 2 * k + 1]) for k in range(4)]
     fetched = store.fetch([3], 0, [14, 15])  # queued behind the write of 3
     assert not any(f.done() for f in [*futures, fetched])
@@ -220,3 +226,38 @@ def test_close_waits_for_queued_writes_and_fetch_sees_earlier_writes(tmp_path, m
     with pytest.raises(RuntimeError):
         store.write([9], [0, 1])
     assert not list(store.path.glob("*.tmp"))
+
+
+def test_erase_deletes_the_named_blocks_or_every_block_file(stores):
+    host = _host(4)
+    store = stores(host)
+    store.write([30, -5, 2], [0, 1, 2, 3, 4, 5]).result()
+    assert store.erase([-5, 77]).result() == 1  # 77 was never there: no error
+    assert store.list_keys() == [2, 30]
+    with pytest.raises(FileNotFoundError):
+        store.fetch([-5], 0, [0, 1]).result()
+    (store.path / "notes.txt").write_text("kept")
+    (store.path / f"{9:016x}.kv.abc.tmp").write_bytes(b"x")  # a killed process's write
+    assert store.erase([], everything=True).result() == 3
+    assert store.list_keys() == [] and not list(store.path.glob("*.tmp"))
+    assert sorted(p.name for p in store.path.iterdir()) == ["layout.json", "notes.txt"]
+    store.write([2], [0, 1]).result()  # the store goes on after a clear
+    assert store.list_keys() == [2]
+    with pytest.raises(ValueError, match="not a signed 64-bit"):
+        store.erase([2**63])
+
+
+def test_an_erase_runs_after_the_writes_queued_before_it(tmp_path, gate):
+    """The cache manager clears the store while writes are in flight: those queued
+    before the erase land first (and are erased), the one queued after it stays."""
+    host = _host(4)
+    store = FileStore(tmp_path, host, BLOCK_PAGES, FP)
+    before = [store.write([k], [2 * k, 2 * k + 1]) for k in range(3)]
+    erased = store.erase([], everything=True)
+    after = store.write([5], [0, 1])
+    assert not erased.done()
+    gate.set()
+    assert erased.result(timeout=5) == 3 and after.result(timeout=5) is None
+    assert all(f.done() for f in before)
+    assert store.list_keys() == [5]
+    store.close()

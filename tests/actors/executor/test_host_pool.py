@@ -21,6 +21,8 @@ from shunter.actors.executor.kv_pool import KVPool
 from shunter.actors.executor.models.config import ModelConfig
 from shunter.bus.inproc import InProcHub
 from shunter.bus.messages import (
+    BlocksErased,
+    EraseBlocks,
     FetchPages,
     ForwardBatch,
     LoadPages,
@@ -303,11 +305,11 @@ def test_core_copy_restores_a_prefix_that_decodes_as_before(config):
     core = build_core(config)
     assert core.host_pool is not None and core.host_pool.num_pages == 2 * core.num_pages == 128
     first = core.step(_prefill(0, 0, [5, 9, 2]))
-    got = core.copy(SpillPages(1, [11, 12, 13], [5, 9, 2], [100, 3, 64]))
+    got = core.copies.copy(SpillPages(1, [11, 12, 13], [5, 9, 2], [100, 3, 64]))
     assert got == PagesSpilled(1, [11, 12, 13], ok=True)
     pool = core.runner.kv_pool
     pool.k_all.zero_(), pool.v_all.zero_()  # the device tier forgets it
-    got = core.copy(LoadPages(2, [11, 12, 13], [100, 3, 64], [40, 13, 27]))
+    got = core.copies.copy(LoadPages(2, [11, 12, 13], [100, 3, 64], [40, 13, 27]))
     assert got == PagesLoaded(2, [11, 12, 13], ok=True)
     again = core.step(_on_prefix(1, 1, [40, 13, 27]))
     assert again.token_ids == first.token_ids
@@ -329,34 +331,40 @@ def test_core_file_store_round_trip_decodes_as_before(config, tmp_path):
     assert (info["store_block_tokens"], info["store_path"]) == (64, str(fs.path))
     first = core.step(_prefill(0, 0, [5, 9, 2]))
     block = [5, 9, 2, *range(20, 33)]  # 16 pages: one block
-    core.copy(SpillPages(1, [0] * 16, block, list(range(16))))
-    assert core.copy(StorePages(2, [-7], list(range(16)))) is None  # on the store's thread
-    assert core.copies_done(wait=True) == [PagesStored(2, [-7])]
+    core.copies.copy(SpillPages(1, [0] * 16, block, list(range(16))))
+    assert core.copies.copy(StorePages(2, [-7], list(range(16)))) is None  # on the store's thread
+    assert core.copies.done(wait=True) == [PagesStored(2, [-7])]
     core.host_pool.k_all.zero_(), core.host_pool.v_all.zero_()
     pool = core.runner.kv_pool
     pool.k_all.zero_(), pool.v_all.zero_()
-    assert core.copy(FetchPages(3, [-7], 0, list(range(40, 56)))) is None
-    (wait,) = core.copy_waiters()
+    assert core.copies.copy(FetchPages(3, [-7], 0, list(range(40, 56)))) is None
+    (wait,) = core.copies.waiters()
     wait()
-    assert core.copies_done() == [PagesFetched(3, [-7])]
-    core.copy(LoadPages(4, [0] * 3, [40, 41, 42], [7, 8, 11]))
+    assert core.copies.done() == [PagesFetched(3, [-7])]
+    core.copies.copy(LoadPages(4, [0] * 3, [40, 41, 42], [7, 8, 11]))
     again = core.step(_on_prefix(1, 1, [7, 8, 11]))
     assert again.token_ids == first.token_ids
     assert again.logprobs == pytest.approx(first.logprobs, abs=1e-4)
-    missing = core.copy(FetchPages(5, [8], 0, list(range(16))))
-    assert missing is None and not core.copies_done(wait=True)[0].ok
+    missing = core.copies.copy(FetchPages(5, [8], 0, list(range(16))))
+    assert missing is None and not core.copies.done(wait=True)[0].ok
     fs.close()
     later = build_core(msgspec.structs.replace(config, hicache_storage_dir=str(tmp_path)))
     assert later.file_store.list_keys() == [-7]
     other = build_core(msgspec.structs.replace(config, hicache_storage_dir=str(tmp_path),
                                                seed=4))  # fmt: skip
     assert other.file_store.list_keys() == []
+    assert later.copies.copy(EraseBlocks(1, [], everything=True)) is None
+    assert later.copies.done(wait=True) == [BlocksErased(1, [])]
+    assert later.file_store.list_keys() == []
+    off = build_core(config)  # a host tier without a store below it
+    assert off.copies.copy(EraseBlocks(2, [3])) == BlocksErased(2, [3], ok=False,
+                                                               error="the file store is off")  # fmt: skip
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_core_copies_are_answered_when_done_and_the_prefix_decodes_as_before(config):
-    """On a GPU a copy comes back as None from copy() and is answered by copies_done()
+    """On a GPU a copy comes back as None from copy() and is answered by copies.done()
     once its copy stream got there; the reloaded prefix decodes the same."""
     core = build_core(
         msgspec.structs.replace(
@@ -365,15 +373,15 @@ def test_cuda_core_copies_are_answered_when_done_and_the_prefix_decodes_as_befor
     )
     assert core.host_pool is not None and core.host_pool.pinned
     first = core.step(_prefill(0, 0, [5, 9, 2]))
-    assert core.copy(SpillPages(1, [11, 12, 13], [5, 9, 2], [100, 3, 64])) is None
-    assert core.copies_done(wait=True) == [PagesSpilled(1, [11, 12, 13], ok=True)]
-    assert core.copy_waiters() == [] and core.copies_done() == []
+    assert core.copies.copy(SpillPages(1, [11, 12, 13], [5, 9, 2], [100, 3, 64])) is None
+    assert core.copies.done(wait=True) == [PagesSpilled(1, [11, 12, 13], ok=True)]
+    assert core.copies.waiters() == [] and core.copies.done() == []
     pool = core.runner.kv_pool
     pool.k_all.zero_(), pool.v_all.zero_()
-    assert core.copy(LoadPages(2, [11, 12, 13], [100, 3, 64], [40, 13, 27])) is None
-    (wait,) = core.copy_waiters()
+    assert core.copies.copy(LoadPages(2, [11, 12, 13], [100, 3, 64], [40, 13, 27])) is None
+    (wait,) = core.copies.waiters()
     wait()
-    assert core.copies_done() == [PagesLoaded(2, [11, 12, 13], ok=True)]
+    assert core.copies.done() == [PagesLoaded(2, [11, 12, 13], ok=True)]
     again = core.step(_on_prefix(1, 1, [40, 13, 27]))
     assert again.token_ids == first.token_ids
     assert again.logprobs == pytest.approx(first.logprobs, abs=1e-3)
@@ -381,16 +389,16 @@ def test_cuda_core_copies_are_answered_when_done_and_the_prefix_decodes_as_befor
 
 def test_core_copy_answers_failures_with_ok_false(config):
     core = build_core(config)
-    bad = core.copy(LoadPages(7, [1], [0], [64]))
+    bad = core.copies.copy(LoadPages(7, [1], [0], [64]))
     assert (bad.copy_id, bad.keys, bad.ok) == (7, [1], False) and isinstance(bad, PagesLoaded)
     assert bad.error == "device page 64 out of range [0, 64)"
     core.runner.kv_pool.release()
-    gone = core.copy(SpillPages(8, [1], [0], [0]))
+    gone = core.copies.copy(SpillPages(8, [1], [0], [0]))
     assert isinstance(gone, PagesSpilled) and not gone.ok and "released" in gone.error
     off = build_core(msgspec.structs.replace(config, enable_hierarchical_cache=False))
     assert off.host_pool is None
     for msg in (SpillPages(9, [], [], []), LoadPages(10, [], [], [])):
-        reply = off.copy(msg)
+        reply = off.copies.copy(msg)
         assert (reply.copy_id, reply.ok, reply.error) == (msg.copy_id, False,
                                                           "the host KV tier is off")  # fmt: skip
 

@@ -22,6 +22,7 @@ from shunter.actors.scheduler.config import SchedulerConfig
 from shunter.actors.scheduler.sim import Cluster, mix64
 from shunter.bus.messages import (
     ChunkCached,
+    ClearStore,
     DropTree,
     FlipBegin,
     FlipDone,
@@ -286,12 +287,13 @@ test_scheduler_with_cache_state_machine = SchedulerWithCache.TestCase
 
 def fuzz(seed: int, num_deliveries: int, host: bool = False,
          write_policy: str | None = None, store: bool = False,
-         fail_copies: int = 0) -> Cluster:  # fmt: skip
+         fail_copies: int = 0, clears: bool = False) -> Cluster:  # fmt: skip
     """Random arrivals, aborts and delivery orders under a small pool, checking the books
     after every delivery; drains at the end and checks everything finished cleanly. With
     host, a host KV tier too (its size drawn, and its write policy unless given); with
     store, a file store below it too (its block size drawn); with fail_copies, about
-    one copy between tiers in that many fails."""
+    one copy between tiers in that many fails; with clears, the store is cleared now
+    and then. No read of the store ever asks for a block it does not hold."""
     import random
 
     rng = random.Random(seed)
@@ -318,6 +320,7 @@ def fuzz(seed: int, num_deliveries: int, host: bool = False,
     c.exe.fail_copies = fail_copies
     prefixes = [[], list(range(300, 300 + rng.randint(4, 30))), list(range(700, 712))]
     rids: list[str] = []
+    num_clears = 0
     for _ in range(num_deliveries):
         x = rng.random()
         if x < 0.05:
@@ -332,6 +335,9 @@ def fuzz(seed: int, num_deliveries: int, host: bool = False,
             c.send_sched(FlipBegin("f", "x") if rng.random() < 0.5 else FlipDone("f", 0, True))
         elif x < 0.067 and store:  # /flush_cache: what the store holds outlives the tree
             c.to_cache.append(DropTree("flush", include_locked=False))
+        elif x < 0.069 and clears:  # /hicache/storage-backend/clear
+            c.to_cache.append(ClearStore(f"clear{num_clears}"))
+            num_clears += 1
         else:
             pumps = [c.pump_cache, c.pump_sched, c.pump_exe]
             rng.shuffle(pumps)
@@ -340,6 +346,9 @@ def fuzz(seed: int, num_deliveries: int, host: bool = False,
     c.send_sched(FlipDone("f", 0, True))
     c.run()
     check_quiet(c, rids)
+    assert c.exe.num_missing_blocks == 0
+    assert [m.clear_id for m in c.cleared] == [f"clear{i}" for i in range(num_clears)]
+    assert fail_copies or all(m.ok for m in c.cleared)
     return c
 
 
@@ -365,6 +374,12 @@ def test_seeded_fuzz_with_a_file_store(seed):
     c = fuzz(seed, 4000, host=True, store=True)
     st_ = c.cache.statistics()
     assert st_.num_stored_blocks > 0
+
+
+@pytest.mark.parametrize("seed", [13, 14, 16])
+def test_seeded_fuzz_with_a_file_store_cleared_now_and_then(seed):
+    c = fuzz(seed, 4000, host=True, store=True, clears=True)
+    assert c.cleared and c.cache.statistics().num_stored_blocks > 0
 
 
 @pytest.mark.parametrize("seed", [20, 22, 23, 26])

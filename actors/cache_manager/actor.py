@@ -4,7 +4,7 @@ Theory of operation
     `run(config, bus)` subscribes to the core's inbox topics (exact topics, see below),
     waits until the subscription is connected, publishes `Ready(actor="cache", info=
     config.to_info())`, then, with a file store, `StoreListed` of the blocks its
-    directory holds (`list_store`: the core reads no files; the listing reaches it
+    directory holds (executor/block_files.py's `list_keys`: the core reads no files; the listing reaches it
     through the bus, so a recording replays it), and then feeds the core every message
     in delivery order,
     publishing each output in order. It answers `HealthPing(target="cache")` itself
@@ -28,14 +28,12 @@ Invariants
 
 from __future__ import annotations
 
-import pathlib
-import re
-
 import anyio
 import structlog
 
 from shunter.actors.cache_manager.config import CacheConfig
 from shunter.actors.cache_manager.core import INBOX_TYPES, CacheManagerCore
+from shunter.actors.executor.block_files import list_keys
 from shunter.bus.messages import (
     CensusBroken,
     FreeRefused,
@@ -68,7 +66,7 @@ async def run(
         await bus.publish(Ready(actor="cache", actor_id=config.actor_id, info=config.to_info()))
         log.info("ready", num_pages=config.num_pages, page_size=config.page_size)
         if config.store_block_tokens:
-            keys = await anyio.to_thread.run_sync(list_store, config.store_path)
+            keys = await anyio.to_thread.run_sync(list_keys, config.store_path)
             log.info("file store", path=config.store_path, num_blocks=len(keys))
             await bus.publish(StoreListed(keys))
         task_status.started(core)
@@ -84,19 +82,6 @@ async def run(
                 if isinstance(out, FreeRefused | CensusBroken):
                     log.warning(topic_of(out), event_msg=out)
                 await bus.publish(out)
-
-
-_BLOCK_FILE = re.compile(r"[0-9a-f]{16}\.kv")
-
-
-def list_store(path: str) -> list[int]:
-    """The keys of the block files in a file store's directory (named by the unsigned
-    hex of the signed 64-bit key, actors/executor/file_store.py), sorted."""
-    d = pathlib.Path(path)
-    if not d.is_dir():
-        return []
-    keys = [int(p.name[:16], 16) for p in d.iterdir() if _BLOCK_FILE.fullmatch(p.name)]
-    return sorted(k - (1 << 64) if k >= 1 << 63 else k for k in keys)
 
 
 class _ReplayCore:

@@ -13,7 +13,7 @@ host pages, the first block possibly from page `skip` on (the tree has its head)
 All of one model's blocks live in `path` = root / <16 hex digits of blake2b(fingerprint)>,
 so models (or layouts) never read each other's files; `layout.json` there names the
 fingerprint and layout for a human, and a store of another layout refuses to open it. A
-block's file is `<key as unsigned 64-bit hex>.kv`:
+block's file is `<key as unsigned 64-bit hex>.kv` (block_files.py):
 
     header, _HEADER (64 bytes, little-endian): magic, version, block_tokens, num_layers,
         num_kv_heads, head_dim, dtype name (e.g. b"bfloat16"), key (signed)
@@ -38,25 +38,19 @@ import hashlib
 import json
 import os
 import pathlib
-import re
 import struct
 import tempfile
 
 import torch
 
+from shunter.actors.executor import block_files
 from shunter.actors.executor.host_pool import HostKVPool
 
 _MAGIC = b"SHUNTRKV"
 _VERSION = 1
 # magic, version, block_tokens, num_layers, num_kv_heads, head_dim, dtype, key, padding
 _HEADER = struct.Struct("<8s5I16sq12x")
-_NAME = re.compile(r"[0-9a-f]{16}\.kv")
-_TEMP = re.compile(r"[0-9a-f]{16}\.kv\..*\.tmp")  # a block being written (mkstemp's name)
 _U64 = 2**64
-
-
-def _name(key: int) -> str:
-    return f"{key & (_U64 - 1):016x}.kv"
 
 
 class FileStore:
@@ -87,16 +81,7 @@ class FileStore:
     def list_keys(self) -> list[int]:
         """Keys of the whole block files in `path`, sorted; temp files, other names and
         files of the wrong size are not blocks."""
-        keys = []
-        with os.scandir(self.path) as it:
-            for entry in it:
-                if not _NAME.fullmatch(entry.name) or not entry.is_file():
-                    continue
-                if entry.stat().st_size != self._file_bytes:
-                    continue
-                key = int(entry.name[:16], 16)
-                keys.append(key - _U64 if key >= _U64 // 2 else key)
-        return sorted(keys)
+        return block_files.list_keys(self.path, self._file_bytes)
 
     def write(self, keys: list[int], host_pages: list[int]) -> concurrent.futures.Future[None]:
         """Write block `keys[i]` from host_pages[i * block_pages : (i + 1) * block_pages],
@@ -143,7 +128,7 @@ class FileStore:
     def _write(self, keys: list[int], host_pages: list[int]) -> None:
         n = self.block_pages
         for i, key in enumerate(keys):
-            final = self.path / _name(key)
+            final = self.path / block_files.file_name(key)
             if final.exists():  # same key, same content
                 continue
             slots = self._slots(host_pages[i * n : (i + 1) * n])
@@ -165,9 +150,9 @@ class FileStore:
         if everything:  # (the writes queued before this have finished: no temp file is live)
             with os.scandir(self.path) as it:
                 files = [e.path for e in it
-                         if (_NAME.fullmatch(e.name) or _TEMP.fullmatch(e.name)) and e.is_file()]  # fmt: skip
+                         if (block_files.BLOCK_FILE.fullmatch(e.name) or block_files.TEMP_FILE.fullmatch(e.name)) and e.is_file()]  # fmt: skip
         else:
-            files = [self.path / _name(k) for k in keys]
+            files = [self.path / block_files.file_name(k) for k in keys]
         num = 0
         for f in files:
             try:
@@ -192,7 +177,7 @@ class FileStore:
     def _read(self, key: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of block `key` ([L, block_tokens, H, D] each), checked whole."""
         what = f"block {key & (_U64 - 1):016x}"
-        file = self.path / _name(key)
+        file = self.path / block_files.file_name(key)
         try:
             f = open(file, "rb")  # noqa: SIM115 - closed below, after the error mapping
         except FileNotFoundError:

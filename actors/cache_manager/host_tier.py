@@ -8,8 +8,9 @@ Theory of operation
     - `backup(node)`: take host pages for a device-resident node (evicting host-only
       leaves LRU when short; no room at all skips it) and ask for the copy.
     - `decide(leaf)`: what device eviction does to a leaf: demote it when its backup
-      has landed (the node stays, host-only), skip it while the backup runs (`blocked`
-      is then set, so a short grant can be owed a PagesEvictable), else drop it. Under
+      has landed (the node stays, host-only), skip it while the backup runs or a load
+      writes its pages (`blocked` is then set, so a short grant can be owed a
+      PagesEvictable), else drop it. Under
       write_back a leaf with no backup gets one now, and it and a leaf whose backup
       runs count toward the eviction's target while it waits (so no more leaves than
       needed are copied); the grant is short and owed a PagesEvictable likewise.
@@ -81,7 +82,12 @@ class HostTier:
     def decide(self, leaf: Node, back_up: Callable[[Node], bool]) -> str:
         """What device eviction does to a leaf (RadixTree.evict). Under write_back a
         leaf with no host copy is backed up now (`back_up(leaf)`: whether a copy
-        started) and waited for, as is one whose backup is running."""
+        started) and waited for, as is one whose backup is running. A leaf a load is
+        still writing stays: no request may hold it (a waiter that failed over or was
+        released lets go), and its pages must not reach another before the copy ends."""
+        if self.page_load and any(p in self.page_load for p in leaf.pages):
+            self.blocked = True
+            return "skip"
         if not leaf.host_pages:
             if self.write_back and leaf.valid and back_up(leaf):
                 self.blocked = True

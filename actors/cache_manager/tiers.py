@@ -185,7 +185,7 @@ class Tiers:
         if rids is None:
             return []
         assert host is not None
-        out: list[Msg] = []
+        out = self._relief(len(msg.keys))  # eviction may have skipped a leaf it wrote
         for rid in rids:
             req = self.requests[rid]
             if not msg.ok:  # match again: it stops before the nodes that failed
@@ -219,8 +219,8 @@ class Tiers:
         return [] if cleared is None else [cleared]
 
     def _relief(self, num: int) -> list[Msg]:
-        """A store copy ended: eviction may have skipped a leaf for it, and a short
-        grant then awaits this (as for a backup, host_tier.py)."""
+        """A store copy or a load ended: eviction may have skipped a leaf for it, and a
+        short grant then awaits this (as for a backup, host_tier.py)."""
         if self.host is None or not self.host.owe_relief:
             return []
         self.host.owe_relief = False

@@ -157,6 +157,23 @@ def test_a_failed_load_matches_its_waiters_again_short_of_it():
     assert core.ledger.num_free == 10 and core.host.ledger.num_free == 16
 
 
+def test_pages_a_load_writes_are_not_evicted_before_it_lands():
+    """The request that started a load lets go of its node before the load lands
+    (released, or matched again after another load failed): eviction must not hand the
+    load's device pages to anyone until the copy has written them (the late write would
+    land in another request's KV). The short grant gets a PagesEvictable then."""
+    core, seq = make(), Seq()
+    demoted(core, seq)
+    (ld,) = core.handle(Tokenized("b", [*A, 1], SP))
+    core.handle(SequenceReleased("b", [], [], reason="aborted"))
+    (g,) = of(core.handle(LeaseRequest(seq(), 10)), LeaseGranted)
+    assert not set(g.pages) & set(ld.device_pages) and g.awaits_backup
+    core.handle(LeaseReturned(g.pages))
+    assert of(core.handle(PagesLoaded(ld.copy_id, ld.keys)), PagesEvictable)
+    (g,) = of(core.handle(LeaseRequest(seq(), 10)), LeaseGranted)
+    assert set(ld.device_pages) <= set(g.pages)
+
+
 def test_a_failed_backup_forgets_the_host_copy():
     core, seq = make(), Seq()
     _, out = serve(core, "a", A, seq)

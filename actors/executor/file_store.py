@@ -23,8 +23,9 @@ block's file is `<key as unsigned 64-bit hex>.kv` (block_files.py):
 One worker thread does all the file work, in submission order: the executor core never
 waits on a disk, and a fetch queued after a write of the same key finds its file. The
 host pages a call names stay put until its future is done (the cache manager answers
-nothing about them before the reply). Files are not fsynced: the store survives a crash
-of the process, not of the machine (a torn file there is caught only by its size).
+nothing about them before the reply). A block's bytes are fsynced before its file gets
+its name, so after a crash of the machine a named file is whole (a block whose rename
+did not reach the disk is only missing; the directory is not fsynced per block).
 
 Invariants: a file named k holds block k, whole: it appears under its name only by
 os.replace of a finished temp file in the same directory, and a block is never
@@ -141,6 +142,8 @@ class FileStore:
                     for t in (self.pool.k_all, self.pool.v_all):
                         block = t.index_select(1, slots)  # [L, block_tokens, H, D] cpu
                         f.write(block.reshape(-1).view(torch.uint8).numpy())  # bf16 too
+                    f.flush()
+                    os.fsync(f.fileno())  # the bytes are on disk before the name is
                 os.replace(tmp, final)
             except BaseException:
                 pathlib.Path(tmp).unlink(missing_ok=True)

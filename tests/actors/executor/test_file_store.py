@@ -261,3 +261,13 @@ def test_an_erase_runs_after_the_writes_queued_before_it(tmp_path, gate):
     assert all(f.done() for f in before)
     assert store.list_keys() == [5]
     store.close()
+
+
+def test_a_block_is_on_disk_before_it_has_its_name(stores, monkeypatch):
+    store = stores(_host(4))
+    calls = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append("fsync") or real_fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda a, b: calls.append("replace") or real_replace(a, b))
+    store.write([1, 2], [0, 1, 2, 3]).result()
+    assert calls == ["fsync", "replace", "fsync", "replace"]

@@ -221,6 +221,7 @@ def build_config(spec: ActorSpec, a: ServerArgs, ready: Mapping[str, Ready], see
                 eviction_policy=a.radix_eviction_policy,
                 num_host_pages=facts["num_host_pages"], write_policy=a.hicache_write_policy,
                 store_block_tokens=facts["store_block_tokens"], store_path=facts["store_path"],
+                store_prefetch_policy=a.hicache_storage_prefetch_policy,
             )  # fmt: skip
         case "scheduler":
             from shunter.actors.scheduler.config import from_server_args

@@ -52,6 +52,7 @@ WEIGHT_FORMATS = ("none", "bf16", "int8", "int4")
 RETRACTION_POLICIES = ("length", "priority")
 RADIX_EVICTION_POLICIES = ("lru", "lfu")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+PREFETCH_POLICIES = ("wait_complete", "best_effort")  # SGLang's "timeout" is refused
 
 
 class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -263,10 +264,12 @@ def _problems(a: ServerArgs) -> list[str]:
         if not a.enable_hierarchical_cache:
             out.append(f"{flag('hicache_storage_backend')}: needs "
                        "--enable-hierarchical-cache (blocks move through the host tier)")  # fmt: skip
-    if a.hicache_storage_prefetch_policy != "wait_complete":
-        out.append(f"{flag('hicache_storage_prefetch_policy')}: "
-                   f"{a.hicache_storage_prefetch_policy!r} is not supported (only "
-                   "'wait_complete' is: a match waits for its blocks to be read)")  # fmt: skip
+    if a.hicache_storage_prefetch_policy == "timeout":
+        out.append(f"{flag('hicache_storage_prefetch_policy')}: is not supported (a match "
+                   "either waits for its blocks, wait_complete, or never does, best_effort)")  # fmt: skip
+    elif a.hicache_storage_prefetch_policy not in PREFETCH_POLICIES:
+        out.append(f"{flag('hicache_storage_prefetch_policy')}: must be one of "
+                   f"{', '.join(PREFETCH_POLICIES)}")  # fmt: skip
     if a.enable_hierarchical_cache and a.disable_radix_cache:
         out.append("--enable-hierarchical-cache: needs the radix cache (drop "
                    "--disable-radix-cache)")  # fmt: skip

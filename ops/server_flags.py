@@ -112,8 +112,9 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
      "the file store's directory (default: $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, "
      "else /tmp/hicache)"),
     ("hicache_storage_prefetch_policy", ("--hicache-storage-prefetch-policy",), "memory",
-     "wait_complete: a match waits for its blocks to be read from the file store "
-     "(the only policy)"),
+     "wait_complete: a match waits for its blocks to be read from the file store; "
+     "best_effort: it never waits (the read fills the host tier for later matches) "
+     "(timeout is not supported)"),
     ("mem_fraction_static", ("--mem-fraction-static", "--gpu-memory-utilization"), "memory",
      "fraction of device memory for weights and KV pool"),
     ("page_size", ("--page-size", "--block-size"), "memory", "tokens per KV page"),

@@ -12,6 +12,7 @@ import msgspec
 from shunter.actors.cache_manager.radix import EVICTION_POLICIES
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+PREFETCH_POLICIES = ("wait_complete", "best_effort")
 SELECTIVE_HITS = 2
 
 
@@ -47,6 +48,12 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Tokens per block of the file store below the host tier (store_tier.py), a
     multiple of page_size; 0: no file store. Needs the host tier."""
 
+    store_prefetch_policy: str = "wait_complete"
+    """Whether a match waits for the blocks it reads from the file store:
+    "wait_complete" (it does, then loads them) or "best_effort" (it never does: it is
+    answered with what the device and host tiers hold, and the read fills the host tier
+    for the matches after it)."""
+
     store_path: str = ""
     """The file store's directory (the executor's, for this model and layout), which
     the shell lists at start; the core never reads it."""
@@ -79,6 +86,11 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"store_block_tokens must be a multiple of page_size "
                              f"({self.page_size}) with a host tier, got "
                              f"{self.store_block_tokens!r}")  # fmt: skip
+        if self.store_prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(
+                f"store_prefetch_policy {self.store_prefetch_policy!r} is not supported "
+                f"(choose from {', '.join(PREFETCH_POLICIES)})"
+            )
         if not self.actor_id:
             raise ValueError("actor_id must not be empty")
 
@@ -99,6 +111,7 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
             "write_policy": self.write_policy,
             "store_block_tokens": self.store_block_tokens,
             "store_path": self.store_path,
+            "store_prefetch_policy": self.store_prefetch_policy,
         }
 
     @classmethod
@@ -115,6 +128,7 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
                 write_policy=str(info.get("write_policy", "write_through")),
                 store_block_tokens=int(info.get("store_block_tokens", 0)),
                 store_path=str(info.get("store_path", "")),
+                store_prefetch_policy=str(info.get("store_prefetch_policy", "wait_complete")),
                 actor_id=actor_id,
             )
         except KeyError as e:

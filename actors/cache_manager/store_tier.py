@@ -189,6 +189,18 @@ class StoreTier:
             node = node.parent
         return cids
 
+    def before_fetches(self, node: Node) -> Node:
+        """The deepest node of node's path whose host pages no read is still writing:
+        a match that does not wait for the store ends there. (A read makes a host-only
+        leaf below a match's end, so the nodes being read are the path's last ones.)"""
+        while (
+            node.parent is not None
+            and node.host_only
+            and any(h in self.page_fetch for h in node.host_pages)
+        ):
+            node = node.parent
+        return node
+
     def fetch(self, tree: RadixTree, host: HostTier, node: Node, m: int, tokens: list[int],
               release: Callable[[list[EvictedBlock]], object]) -> FetchPages | None:  # fmt: skip
         """Read the stored blocks past a match (node, ending at m tokens of `tokens`, the

@@ -21,7 +21,9 @@ Theory of operation
     store_tier.py). A landed backup writes the whole blocks it completes to the store
     (StorePages); a match short of what the store holds of its tokens reads those
     blocks into host pages under a new host-only leaf (FetchPages) and is matched again
-    once PagesFetched comes, loading them like any host-only prefix. StoreListed (from
+    once PagesFetched comes, loading them like any host-only prefix (under the
+    "best_effort" prefetch policy it is answered at once, its match ending before the
+    blocks being read, which later matches find in the host tier). StoreListed (from
     the shell at start) tells the core what an earlier run left there. ClearStore
     (/hicache/storage-backend/clear) empties the store (EraseBlocks) and is answered
     with StoreCleared once the store has (BlocksErased).
@@ -88,6 +90,7 @@ class Tiers:
         when the request waits for a copy (registered) and is matched again after it."""
         node, pages = found.node, found.pages
         rid = req.tokenized.request_id
+        past_device = found.num_tokens > len(pages) * self.config.page_size
         if self.store is not None:
             waits = self.store.waiting_on(node)
             if not waits:
@@ -96,12 +99,15 @@ class Tiers:
                 if fetch is not None:
                     out.append(fetch)
                     waits = {fetch.copy_id}
-            if waits:
+            if waits and self.config.store_prefetch_policy == "best_effort":
+                node = self.store.before_fetches(node)  # the reads go on; no wait for them
+                past_device = node.parent is not None and node.host_only
+            elif waits:
                 for cid in waits:
                     req.waiting.add(cid)
                     host.waiters[cid][rid] = None
                 return None
-        if found.num_tokens > len(pages) * self.config.page_size:
+        if past_device:
             node, load = host.load(self.tree, self.ledger, node,
                                    lambda keep, n: self._make_room(keep, n, out))  # fmt: skip
             if load is not None:

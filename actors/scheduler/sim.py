@@ -281,13 +281,15 @@ class Cluster:
         num_host_pages: int = 0,
         write_policy: str = "write_through",
         store_block_tokens: int = 0,
+        store_prefetch_policy: str = "wait_complete",
     ) -> None:
         self.sched = SchedulerCore(sched)
         self.cache = CacheManagerCore(
             CacheConfig(num_pages=num_pages, page_size=sched.page_size,
                         disable_radix_cache=disable_radix_cache, emit_kv_events=False,
                         num_host_pages=num_host_pages, write_policy=write_policy,
-                        store_block_tokens=store_block_tokens)
+                        store_block_tokens=store_block_tokens,
+                        store_prefetch_policy=store_prefetch_policy)
         )  # fmt: skip
         self.exe = SimExecutor(
             sched.page_size, num_pages, token_fn or (lambda rid, pos: mix64(pos) % 1000 + 10),

@@ -91,7 +91,7 @@ def test_vllm_spellings_and_dtype_aliases():
                                   ["--lora-paths", "a", "b"], ["--speculative-algorithm", "EAGLE"],
                                   ["--kv-cache-dtype", "fp8_e4m3"], ["--nnodes", "2"],
                                   ["--ep", "2"], ["--hicache-storage-backend", "mooncake"],
-                                  ["--hicache-storage-prefetch-policy", "best_effort"],
+                                  ["--hicache-storage-prefetch-policy", "timeout"],
                                   ["--hicache-io-backend", "kernel"], ["--tokenizer-worker-num", "4"],
                                   ["--attn-cp-size", "2"]])  # fmt: skip
 def test_unsupported_sglang_options_say_why(argv):

@@ -235,3 +235,39 @@ def test_a_clear_is_refused_without_a_store_and_reports_a_failed_erase():
     (done,) = core.handle(BlocksErased(er.copy_id, [], ok=False, error="read-only file system"))
     assert done == StoreCleared("z", ok=False, num_blocks=2, reason="read-only file system")
     assert not core.store.known  # what is left there is matched no more
+
+
+def test_best_effort_matches_never_wait_for_the_store():
+    """A match the store could extend is answered at once with what the tree holds;
+    the read goes on, a second match reaching the blocks being read stops before them,
+    and once the read has landed a third one loads them from the host tier."""
+    core, seq = make(store_prefetch_policy="best_effort"), Seq()
+    st = stored(core, "a", A, seq)
+    core.handle(DropTree("f"))
+    out = core.handle(Tokenized("b", [*A, 1], SP))
+    (fp,) = of(out, FetchPages)
+    (mb,) = of(out, Matched)
+    assert fp.keys == st.keys and mb.num_cached_tokens == 0
+    (mc,) = core.handle(Tokenized("c", [*A, 2], SP))
+    assert isinstance(mc, Matched) and mc.num_cached_tokens == 0
+    assert core.handle(PagesFetched(fp.copy_id, fp.keys)) == []  # nobody waited
+    assert census_ok(core, seq)
+    (ld,) = core.handle(Tokenized("d", [*A, 3], SP))
+    assert isinstance(ld, LoadPages) and ld.host_pages == fp.host_pages
+    (md,) = core.handle(PagesLoaded(ld.copy_id, ld.keys))
+    assert md.num_cached_tokens == 8
+    assert core.statistics().num_store_hit_tokens == 8
+
+
+def test_best_effort_keeps_what_the_tree_holds_and_leaves_the_rest_to_the_read():
+    """A match is answered with the part the tree holds as ever; only the store's part
+    is left to the read."""
+    core, seq = make(page_size=2, store_prefetch_policy="best_effort"), Seq()
+    st = stored(core, "a", A, seq)
+    again, seq = make(page_size=2, store_prefetch_policy="best_effort"), Seq()
+    serve(again, "x", A[:6], seq)  # a later server: its tree has the first 6 tokens
+    again.handle(StoreListed(st.keys))
+    out = again.handle(Tokenized("b", [*A, 1], SP))
+    (fp,) = of(out, FetchPages)
+    (m,) = of(out, Matched)
+    assert fp.skip == 1 and m.num_cached_tokens == 6

@@ -287,13 +287,15 @@ test_scheduler_with_cache_state_machine = SchedulerWithCache.TestCase
 
 def fuzz(seed: int, num_deliveries: int, host: bool = False,
          write_policy: str | None = None, store: bool = False,
-         fail_copies: int = 0, clears: bool = False) -> Cluster:  # fmt: skip
+         fail_copies: int = 0, clears: bool = False,
+         prefetch: str = "wait_complete") -> Cluster:  # fmt: skip
     """Random arrivals, aborts and delivery orders under a small pool, checking the books
     after every delivery; drains at the end and checks everything finished cleanly. With
     host, a host KV tier too (its size drawn, and its write policy unless given); with
     store, a file store below it too (its block size drawn); with fail_copies, about
     one copy between tiers in that many fails; with clears, the store is cleared now
-    and then. No read of the store ever asks for a block it does not hold."""
+    and then; `prefetch` is the store's prefetch policy. No read of the store ever asks
+    for a block it does not hold."""
     import random
 
     rng = random.Random(seed)
@@ -316,6 +318,7 @@ def fuzz(seed: int, num_deliveries: int, host: bool = False,
         tier["write_policy"] = write_policy or tier["write_policy"]
         if store:
             tier["store_block_tokens"] = page_size * rng.choice([1, 2, 4])
+            tier["store_prefetch_policy"] = prefetch
     c = Cluster(cfg, num_pages, token_fn=token_fn, **tier)
     c.exe.fail_copies = fail_copies
     prefixes = [[], list(range(300, 300 + rng.randint(4, 30))), list(range(700, 712))]
@@ -380,6 +383,12 @@ def test_seeded_fuzz_with_a_file_store(seed):
 def test_seeded_fuzz_with_a_file_store_cleared_now_and_then(seed):
     c = fuzz(seed, 4000, host=True, store=True, clears=True)
     assert c.cleared and c.cache.statistics().num_stored_blocks > 0
+
+
+@pytest.mark.parametrize("seed", [18, 25, 28])
+def test_seeded_fuzz_with_a_best_effort_file_store(seed):
+    c = fuzz(seed, 4000, host=True, store=True, clears=seed % 2 == 1, prefetch="best_effort")
+    assert c.cache.statistics().num_fetched_blocks > 0
 
 
 @pytest.mark.parametrize("seed", [20, 22, 23, 26])

@@ -52,7 +52,7 @@ WEIGHT_FORMATS = ("none", "bf16", "int8", "int4")
 RETRACTION_POLICIES = ("length", "priority")
 RADIX_EVICTION_POLICIES = ("lru", "lfu")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-PREFETCH_POLICIES = ("wait_complete", "best_effort")  # SGLang's "timeout" is refused
+PREFETCH_POLICIES = ("wait_complete", "best_effort", "timeout")
 
 
 class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -264,10 +264,7 @@ def _problems(a: ServerArgs) -> list[str]:
         if not a.enable_hierarchical_cache:
             out.append(f"{flag('hicache_storage_backend')}: needs "
                        "--enable-hierarchical-cache (blocks move through the host tier)")  # fmt: skip
-    if a.hicache_storage_prefetch_policy == "timeout":
-        out.append(f"{flag('hicache_storage_prefetch_policy')}: is not supported (a match "
-                   "either waits for its blocks, wait_complete, or never does, best_effort)")  # fmt: skip
-    elif a.hicache_storage_prefetch_policy not in PREFETCH_POLICIES:
+    if a.hicache_storage_prefetch_policy not in PREFETCH_POLICIES:
         out.append(f"{flag('hicache_storage_prefetch_policy')}: must be one of "
                    f"{', '.join(PREFETCH_POLICIES)}")  # fmt: skip
     if a.enable_hierarchical_cache and a.disable_radix_cache:

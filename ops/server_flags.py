@@ -113,8 +113,8 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
      "else /tmp/hicache)"),
     ("hicache_storage_prefetch_policy", ("--hicache-storage-prefetch-policy",), "memory",
      "wait_complete: a match waits for its blocks to be read from the file store; "
-     "best_effort: it never waits (the read fills the host tier for later matches) "
-     "(timeout is not supported)"),
+     "best_effort: it never waits (the read fills the host tier for later matches); "
+     "timeout: it waits 1 s + 0.25 s per 1024 tokens at most"),
     ("mem_fraction_static", ("--mem-fraction-static", "--gpu-memory-utilization"), "memory",
      "fraction of device memory for weights and KV pool"),
     ("page_size", ("--page-size", "--block-size"), "memory", "tokens per KV page"),

@@ -21,6 +21,7 @@ from shunter.bus.messages import (
     DropTree,
     Msg,
     SchedulerCensus,
+    Tick,
     TreeDropped,
 )
 
@@ -75,14 +76,16 @@ class Books(Tiers):
         out.append(TreeDropped(msg.flip_id, len(reclaim), True, "", tree.version))
         return out
 
-    def _on_tick(self) -> list[Msg]:
-        """The figures for /metrics, when they changed since the last Tick."""
+    def _on_tick(self, tick: Tick) -> list[Msg]:
+        """Matches whose wait for the store timed out, and the figures for /metrics
+        when they changed since the last Tick."""
+        out = self._store_timeouts(tick.now_ns) if self._store_timers else []
         stats = cache_stats(self.ledger, self.host, self.store, self._num_queried, self._num_hit,
                             self._num_evicted)  # fmt: skip
-        if stats == self._last_stats:
-            return []
-        self._last_stats = stats
-        return [stats]
+        if stats != self._last_stats:
+            self._last_stats = stats
+            out.append(stats)
+        return out
 
     def statistics(self) -> CacheStatistics:
         counts = self.ledger.counts

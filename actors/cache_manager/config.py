@@ -12,7 +12,7 @@ import msgspec
 from shunter.actors.cache_manager.radix import EVICTION_POLICIES
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-PREFETCH_POLICIES = ("wait_complete", "best_effort")
+PREFETCH_POLICIES = ("wait_complete", "best_effort", "timeout")
 SELECTIVE_HITS = 2
 
 
@@ -52,7 +52,9 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Whether a match waits for the blocks it reads from the file store:
     "wait_complete" (it does, then loads them) or "best_effort" (it never does: it is
     answered with what the device and host tiers hold, and the read fills the host tier
-    for the matches after it)."""
+    for the matches after it) or "timeout" (it waits, but for no longer than
+    store_tier.prefetch_timeout_ns of the tokens past its match, measured by the
+    scheduler's Ticks, then goes on as under best_effort)."""
 
     store_path: str = ""
     """The file store's directory (the executor's, for this model and layout), which

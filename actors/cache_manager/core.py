@@ -122,8 +122,8 @@ def _retracted_bound(t: Tokenized, computed: list[int]) -> int:
 
 
 class _Request:
-    __slots__ = ("aside", "key_tokens", "max_match", "node", "reclaimed", "tokenized",
-                 "waiting")  # fmt: skip
+    __slots__ = ("aside", "key_tokens", "max_match", "node", "reclaimed", "store_gave_up",
+                 "tokenized", "waiting")  # fmt: skip
 
     def __init__(self, tokenized: Tokenized, key_tokens: list[int], max_match: int) -> None:
         self.tokenized = tokenized
@@ -133,6 +133,7 @@ class _Request:
         self.aside: set[int] = set()  # its pages kept aside (see allocator.ASIDE)
         self.reclaimed: frozenset[int] = frozenset()  # its path pages a DropTree took
         self.waiting: set[int] = set()  # loads its Matched waits for (copy ids)
+        self.store_gave_up = False  # it waited for the store past its timeout
 
 
 class CacheManagerCore(Books):
@@ -153,6 +154,9 @@ class CacheManagerCore(Books):
         self._aside_owner = self.ledger.aside_owner
         self._leases_in_flight: dict[int, int] = {}  # lease_seq -> pages granted
         self._drops: list[DropTree] = []  # waiting for the copies in flight
+        # "timeout" prefetch: request -> [the first Tick's time after it began waiting
+        # for the store (None: none yet), how long it may wait]
+        self._store_timers: dict[str, list] = {}
         self._clock = 0
         self._num_matches = self._num_queried = self._num_hit = 0
         self._num_evicted = self._num_refused = self._num_broken = self._num_deferred = 0
@@ -160,7 +164,7 @@ class CacheManagerCore(Books):
 
     def handle(self, msg: Msg) -> list[Msg]:
         if isinstance(msg, Tick):  # time is not the tree's clock: it moves with messages
-            return self._on_tick()
+            return self._on_tick(msg)
         self._clock += 1
         self.tree.now = self._clock
         match msg:

@@ -62,6 +62,15 @@ from shunter.bus.messages import (
     StorePages,
 )
 
+PREFETCH_TIMEOUT_NS = 1_000_000_000  # a "timeout" match waits this long for the store,
+PREFETCH_TIMEOUT_NS_PER_KI_TOKEN = 250_000_000  # and this much more per 1024 tokens
+
+
+def prefetch_timeout_ns(num_tokens: int) -> int:
+    """How long a match under the "timeout" prefetch policy waits for the store to read
+    num_tokens tokens (SGLang's defaults: 1 s, and 0.25 s per 1024 tokens)."""
+    return PREFETCH_TIMEOUT_NS + PREFETCH_TIMEOUT_NS_PER_KI_TOKEN * num_tokens // 1024
+
 
 def block_keys(generation: int, namespace: str, tokens: list[int], block_tokens: int) -> list[int]:
     """One key per whole block of tokens: blake2b of the previous key and the block's

@@ -23,7 +23,9 @@ Theory of operation
     blocks into host pages under a new host-only leaf (FetchPages) and is matched again
     once PagesFetched comes, loading them like any host-only prefix (under the
     "best_effort" prefetch policy it is answered at once, its match ending before the
-    blocks being read, which later matches find in the host tier). StoreListed (from
+    blocks being read, which later matches find in the host tier; under "timeout" it
+    waits until the scheduler's Ticks say its timeout has passed, then goes on so).
+    StoreListed (from
     the shell at start) tells the core what an earlier run left there. ClearStore
     (/hicache/storage-backend/clear) empties the store (EraseBlocks) and is answered
     with StoreCleared once the store has (BlocksErased).
@@ -46,7 +48,7 @@ from shunter.actors.cache_manager.allocator import TREE, PageLedger
 from shunter.actors.cache_manager.config import CacheConfig
 from shunter.actors.cache_manager.host_tier import HostTier
 from shunter.actors.cache_manager.radix import EvictedBlock, MatchResult, Node, RadixTree
-from shunter.actors.cache_manager.store_tier import StoreTier
+from shunter.actors.cache_manager.store_tier import StoreTier, prefetch_timeout_ns
 from shunter.bus.messages import (
     BlockRemoved,
     BlocksErased,
@@ -72,6 +74,7 @@ class Tiers:
     store: StoreTier | None
     requests: dict[str, _Request]
     _drops: list[DropTree]
+    _store_timers: dict[str, list]
     _num_evicted: int
 
     if TYPE_CHECKING:  # the core's, which this mixin calls
@@ -99,10 +102,14 @@ class Tiers:
                 if fetch is not None:
                     out.append(fetch)
                     waits = {fetch.copy_id}
-            if waits and self.config.store_prefetch_policy == "best_effort":
+            policy = self.config.store_prefetch_policy
+            if waits and (policy == "best_effort" or req.store_gave_up):
                 node = self.store.before_fetches(node)  # the reads go on; no wait for them
                 past_device = node.parent is not None and node.host_only
             elif waits:
+                if policy == "timeout" and rid not in self._store_timers:
+                    wait_ns = prefetch_timeout_ns(len(tokens) - found.num_tokens)
+                    self._store_timers[rid] = [None, wait_ns]
                 for cid in waits:
                     req.waiting.add(cid)
                     host.waiters[cid][rid] = None
@@ -211,8 +218,26 @@ class Tiers:
         assert host is not None
         out = self._relief(len(msg.keys))
         for rid in rids:
+            self._store_timers.pop(rid, None)
             out += self._match_again(self.requests[rid], msg.copy_id)
         return self._drop_when_idle(out)
+
+    def _store_timeouts(self, now_ns: int) -> list[Msg]:
+        """A Tick at now_ns: the requests that have waited for the store their whole
+        timeout are matched again without waiting for it (as under best_effort). A
+        timer starts at the first Tick after its wait began."""
+        out: list[Msg] = []
+        for rid, timer in list(self._store_timers.items()):
+            req = self.requests.get(rid)
+            if req is None or not req.waiting:  # released, or answered meanwhile
+                del self._store_timers[rid]
+            elif timer[0] is None:
+                timer[0] = now_ns
+            elif now_ns - timer[0] >= timer[1]:
+                del self._store_timers[rid]
+                req.store_gave_up = True
+                out += self._match_again(req, -1)
+        return out
 
     def _on_clear_store(self, msg: ClearStore) -> list[Msg]:
         if self.host is None or self.store is None:

@@ -103,7 +103,7 @@ def test_a_prefix_evicted_from_the_device_comes_back_from_the_host(
     assert r.returncode == 0 and "identical" in r.stdout, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("prefetch", ["wait_complete", "best_effort"])
+@pytest.mark.parametrize("prefetch", ["wait_complete", "best_effort", "timeout"])
 def test_a_later_server_reads_the_prefix_back_from_the_file_store(
     start_server, call, mode, tmp_path, prefetch
 ):
@@ -111,7 +111,8 @@ def test_a_later_server_reads_the_prefix_back_from_the_file_store(
     as its backup lands; a new server on the same model and directory lists the blocks
     at start and answers the prompt again with them cached: read into host pages, loaded
     to the device, the same greedy answer (best_effort: answered at once, computing the
-    prompt while the blocks are read). Then it clears the store (both paths): the block
+    prompt while the blocks are read; timeout: waits, the read taking far less than
+    its second). Then it clears the store (both paths): the block
     files are gone and the server goes on storing. Both cache managers replay."""
     store = tmp_path / "store"
     args = ("--enable-hierarchical-cache", "--enable-metrics", "--hicache-storage-backend",

@@ -91,7 +91,6 @@ def test_vllm_spellings_and_dtype_aliases():
                                   ["--lora-paths", "a", "b"], ["--speculative-algorithm", "EAGLE"],
                                   ["--kv-cache-dtype", "fp8_e4m3"], ["--nnodes", "2"],
                                   ["--ep", "2"], ["--hicache-storage-backend", "mooncake"],
-                                  ["--hicache-storage-prefetch-policy", "timeout"],
                                   ["--hicache-io-backend", "kernel"], ["--tokenizer-worker-num", "4"],
                                   ["--attn-cp-size", "2"]])  # fmt: skip
 def test_unsupported_sglang_options_say_why(argv):
@@ -108,6 +107,15 @@ def test_unsupported_sglang_options_say_why(argv):
             raise AssertionError(f"{argv} was accepted")
     assert argv[0] in message or "--ep-size" in message, message
     assert "not supported" in message or "invalid choice" in message, message
+
+
+def test_every_sglang_prefetch_policy_parses_and_others_are_refused():
+    for policy in ("wait_complete", "best_effort", "timeout"):
+        a = parse_server_args(["--enable-hierarchical-cache", "--hicache-storage-backend", "file",
+                               "--hicache-storage-prefetch-policy", policy])  # fmt: skip
+        assert a.hicache_storage_prefetch_policy == policy
+    with pytest.raises(ValueError, match="must be one of wait_complete, best_effort, timeout"):
+        parse_server_args(["--hicache-storage-prefetch-policy", "soon"])
 
 
 def test_no_prefix_abbreviation():

@@ -32,6 +32,7 @@ from shunter.bus.messages import (
     StoreCleared,
     StoreListed,
     StorePages,
+    Tick,
     Tokenized,
 )
 from tests.actors.cache_manager.test_host_tier import Seq, of
@@ -271,3 +272,33 @@ def test_best_effort_keeps_what_the_tree_holds_and_leaves_the_rest_to_the_read()
     (fp,) = of(out, FetchPages)
     (m,) = of(out, Matched)
     assert fp.skip == 1 and m.num_cached_tokens == 6
+
+
+def test_a_timeout_match_waits_for_the_store_until_its_ticks_run_out():
+    """Under "timeout" a match waits for its read like wait_complete, but the scheduler's
+    Ticks end the wait: 1 s + 0.25 s per 1024 tokens from the first Tick after it
+    began, then it is answered with what the tree holds; a read landing first is used."""
+    core, seq = make(store_prefetch_policy="timeout"), Seq()
+    st = stored(core, "a", A, seq)
+    core.handle(DropTree("f"))
+    (fp,) = core.handle(Tokenized("b", [*A, 1], SP))
+    assert isinstance(fp, FetchPages) and fp.keys == st.keys
+    s = 1_000_000_000
+    assert of(core.handle(Tick(5 * s)), Matched) == []  # the timer starts
+    assert of(core.handle(Tick(5 * s + s)), Matched) == []  # 1 s + 0.25 s * 9 / 1024 to go
+    (m,) = of(core.handle(Tick(5 * s + 2 * s)), Matched)
+    assert m.request.request_id == "b" and m.num_cached_tokens == 0
+    assert core.handle(PagesFetched(fp.copy_id, fp.keys)) == []  # nobody waits for it now
+    (ld,) = core.handle(Tokenized("c", [*A, 2], SP))  # the read filled the host tier
+    assert isinstance(ld, LoadPages)
+    assert census_ok(core, seq)
+    # a read that lands in time is waited for and used
+    core2, seq2 = make(store_prefetch_policy="timeout"), Seq()
+    stored(core2, "a", A, seq2)
+    core2.handle(DropTree("f"))
+    (fp,) = core2.handle(Tokenized("b", [*A, 1], SP))
+    core2.handle(Tick(s))
+    (ld,) = core2.handle(PagesFetched(fp.copy_id, fp.keys))
+    (m,) = core2.handle(PagesLoaded(ld.copy_id, ld.keys))
+    assert m.num_cached_tokens == 8 and of(core2.handle(Tick(9 * s)), Matched) == []
+    assert not core2._store_timers

@@ -30,6 +30,7 @@ from shunter.bus.messages import (
     LeaseReturned,
     SamplingParams,
     SequenceReleased,
+    Tick,
     Tokenized,
 )
 
@@ -323,7 +324,7 @@ def fuzz(seed: int, num_deliveries: int, host: bool = False,
     c.exe.fail_copies = fail_copies
     prefixes = [[], list(range(300, 300 + rng.randint(4, 30))), list(range(700, 712))]
     rids: list[str] = []
-    num_clears = 0
+    num_clears = now_ns = 0
     for _ in range(num_deliveries):
         x = rng.random()
         if x < 0.05:
@@ -341,6 +342,9 @@ def fuzz(seed: int, num_deliveries: int, host: bool = False,
         elif x < 0.069 and clears:  # /hicache/storage-backend/clear
             c.to_cache.append(ClearStore(f"clear{num_clears}"))
             num_clears += 1
+        elif x < 0.099 and prefetch == "timeout":  # the scheduler's clock, fast: a wait
+            now_ns += 1_100_000_000  # for the store times out at the second Tick
+            c.to_cache.append(Tick(now_ns))
         else:
             pumps = [c.pump_cache, c.pump_sched, c.pump_exe]
             rng.shuffle(pumps)
@@ -385,9 +389,13 @@ def test_seeded_fuzz_with_a_file_store_cleared_now_and_then(seed):
     assert c.cleared and c.cache.statistics().num_stored_blocks > 0
 
 
-@pytest.mark.parametrize("seed", [18, 25, 28])
-def test_seeded_fuzz_with_a_best_effort_file_store(seed):
-    c = fuzz(seed, 4000, host=True, store=True, clears=seed % 2 == 1, prefetch="best_effort")
+@pytest.mark.parametrize(("seed", "prefetch"), [(18, "best_effort"), (25, "best_effort"),
+                                                (28, "best_effort"), (4, "timeout"),
+                                                (82, "timeout")])  # fmt: skip
+def test_seeded_fuzz_with_a_file_store_that_matches_need_not_wait_for(seed, prefetch):
+    """best_effort matches never wait for a read; timeout ones stop waiting at a Tick
+    (seeds 4 and 82 have waits that time out)."""
+    c = fuzz(seed, 4000, host=True, store=True, clears=seed % 2 == 1, prefetch=prefetch)
     assert c.cache.statistics().num_fetched_blocks > 0
 
 

@@ -31,16 +31,17 @@ memory of the weights, the KV cache and the decode graphs (memory.py); MemorySta
 says what is released now. WeightsQuery (/get_weights_by_name) is answered between
 batches with the first rows of a weight, named as in HF checkpoints. SpillPages and
 LoadPages (the cache manager's host KV tier) are started between batches in a worker
-thread (`ExecutorCore.copies`, copies.py) without flushing the step in flight: on CUDA they run on
-copy streams behind the forwards queued so far, on the CPU a forward is done when
-submit returns. StorePages, FetchPages and EraseBlocks (the file store below the host
-tier) run on the file store's own thread. A copy is answered (PagesSpilled,
-PagesLoaded, PagesStored, PagesFetched, BlocksErased) once it has finished: a CPU spill or load before the next
-message is taken, the rest when its event or future completes, which the loop waits
-for beside the next message and the step in flight. ProfileStart and
-ProfileStop (the gateway's /start_profile, /stop_profile) start and end a
-torch.profiler session between batches (profiling.py); a session asked for a number
-of steps ends by itself once that many results are published.
+thread (`ExecutorCore.copies`, copies.py) without flushing the step in flight: on
+CUDA they run on copy streams behind the forwards queued so far, on the CPU a forward
+is done when submit returns. StorePages, FetchPages and EraseBlocks (the file store
+below the host tier) run on the file store's own thread. A copy is answered
+(PagesSpilled, PagesLoaded, PagesStored, PagesFetched, BlocksErased) once it has
+finished: a CPU spill or load before the next message is taken, the rest when its
+event or future completes, which the loop waits for beside the next message and the
+step in flight. ProfileStart and ProfileStop (the gateway's /start_profile,
+/stop_profile) start and end a torch.profiler session between batches (profiling.py);
+a session asked for a number of steps ends by itself once that many results are
+published.
 
 A malformed batch or a failed forward is a StepResult with `error` (the core's job);
 a failure to load is actor-scoped: LoadError propagates to the supervisor.

@@ -122,8 +122,8 @@ def _retracted_bound(t: Tokenized, computed: list[int]) -> int:
 
 
 class _Request:
-    __slots__ = ("aside", "key_tokens", "max_match", "node", "reclaimed", "store_gave_up",
-                 "tokenized", "waiting")  # fmt: skip
+    __slots__ = ("aside", "key_tokens", "max_match", "node", "read_in_flight", "reclaimed",
+                 "store_gave_up", "tokenized", "told_stale", "waiting")  # fmt: skip
 
     def __init__(self, tokenized: Tokenized, key_tokens: list[int], max_match: int) -> None:
         self.tokenized = tokenized
@@ -134,6 +134,8 @@ class _Request:
         self.reclaimed: frozenset[int] = frozenset()  # its path pages a DropTree took
         self.waiting: set[int] = set()  # loads its Matched waits for (copy ids)
         self.store_gave_up = False  # it waited for the store past its timeout
+        self.read_in_flight = False  # its last match went on beside a store read
+        self.told_stale = False  # a Matched told the scheduler to match it again
 
 
 class CacheManagerCore(Books):
@@ -258,13 +260,22 @@ class CacheManagerCore(Books):
                 req.waiting.add(cid)
                 self.host.waiters[cid][req.tokenized.request_id] = None
         if not req.waiting:
-            out.append(Matched(req.tokenized, num_tokens, pages, self.tree.version))
+            out.append(Matched(req.tokenized, num_tokens, pages, self._version_for(req)))
         return out
 
     def _matched(self, req: _Request) -> Matched:
         pages = self.tree.path_pages(req.node) if req.node is not None else []
         num = len(pages) * self.page_size
-        return Matched(req.tokenized, num, pages, self.tree.version)
+        return Matched(req.tokenized, num, pages, self._version_for(req))
+
+    def _version_for(self, req: _Request) -> int:
+        """The tree version a Matched carries: -1, once, for a match a store read in
+        flight may extend (tiers.py), so the scheduler matches it again just before
+        admitting it and a request that waited in its queue finds what was read."""
+        if req.read_in_flight and not req.told_stale:
+            req.told_stale = True
+            return -1
+        return self.tree.version
 
     def _unlock(self, req: _Request) -> None:
         if req.node is not None:

@@ -25,6 +25,9 @@ Theory of operation
     "best_effort" prefetch policy it is answered at once, its match ending before the
     blocks being read, which later matches find in the host tier; under "timeout" it
     waits until the scheduler's Ticks say its timeout has passed, then goes on so).
+    Such a Matched carries tree_version -1, once per request: the scheduler matches it
+    again just before admitting it, so one that waited in its queue meanwhile gets
+    what the read brought (SGLang's best_effort: what has arrived by then).
     StoreListed (from
     the shell at start) tells the core what an earlier run left there. ClearStore
     (/hicache/storage-backend/clear) empties the store (EraseBlocks) and is answered
@@ -94,6 +97,7 @@ class Tiers:
         node, pages = found.node, found.pages
         rid = req.tokenized.request_id
         past_device = found.num_tokens > len(pages) * self.config.page_size
+        req.read_in_flight = False
         if self.store is not None:
             waits = self.store.waiting_on(node)
             if not waits:
@@ -106,6 +110,7 @@ class Tiers:
             if waits and (policy == "best_effort" or req.store_gave_up):
                 node = self.store.before_fetches(node)  # the reads go on; no wait for them
                 past_device = node.parent is not None and node.host_only
+                req.read_in_flight = True
             elif waits:
                 if policy == "timeout" and rid not in self._store_timers:
                     wait_ns = prefetch_timeout_ns(len(tokens) - found.num_tokens)

@@ -41,7 +41,9 @@ class Matched(Msg, tag="cache.matched"):
     request: Tokenized
     num_cached_tokens: int
     prefix_pages: list[int]  # pages holding the first num_cached_tokens tokens
-    tree_version: int  # the tree's insert count when matched; admission re-matches if stale
+    # the tree's insert count when matched; admission re-matches if stale, and always if
+    # -1 (the tree was dropped, or a file store read in flight may extend the match)
+    tree_version: int
 
 
 class RefreshMatch(Msg, tag="cache.refresh"):

@@ -25,6 +25,7 @@ from shunter.bus.messages import (
     PagesLoaded,
     PagesSpilled,
     PagesStored,
+    RefreshMatch,
     SamplingParams,
     SchedulerCensus,
     SequenceReleased,
@@ -302,3 +303,28 @@ def test_a_timeout_match_waits_for_the_store_until_its_ticks_run_out():
     (m,) = core2.handle(PagesLoaded(ld.copy_id, ld.keys))
     assert m.num_cached_tokens == 8 and of(core2.handle(Tick(9 * s)), Matched) == []
     assert not core2._store_timers
+
+
+def test_a_best_effort_match_is_matched_again_before_admission_once():
+    """Its Matched carries tree_version -1 while the read it went on beside is in
+    flight, so the scheduler matches it again just before admitting it: right away it
+    gets the same match (and a real version, so once only); after the read has landed
+    (it waited in the queue) it loads what was read."""
+    for landed_first in (False, True):
+        core, seq = make(store_prefetch_policy="best_effort"), Seq()
+        stored(core, "a", A, seq)
+        core.handle(DropTree("f"))
+        out = core.handle(Tokenized("b", [*A, 1], SP))
+        (fp,) = of(out, FetchPages)
+        (m,) = of(out, Matched)
+        assert m.tree_version == -1
+        if landed_first:
+            core.handle(PagesFetched(fp.copy_id, fp.keys))
+            (ld,) = core.handle(RefreshMatch("b"))
+            (m,) = core.handle(PagesLoaded(ld.copy_id, ld.keys))
+            assert m.num_cached_tokens == 8 and m.tree_version >= 0
+        else:
+            (m,) = core.handle(RefreshMatch("b"))
+            assert m.num_cached_tokens == 0 and m.tree_version == core.tree.version
+            core.handle(PagesFetched(fp.copy_id, fp.keys))
+        assert census_ok(core, seq)

@@ -414,6 +414,7 @@ class CacheManagerCore(Books):
         for cid in req.waiting:  # (the scheduler releases only what it was matched)
             del self.host.waiters[cid][rid]  # type: ignore[union-attr]
         del self.requests[rid]
+        self._store_timers.pop(rid, None)
         if msg.reason == "retracted":
             if msg.token_ids:  # matched over what it computed
                 key, bound = msg.token_ids, _retracted_bound(req.tokenized, msg.token_ids)

@@ -268,15 +268,6 @@ class CacheManagerCore(Books):
         num = len(pages) * self.page_size
         return Matched(req.tokenized, num, pages, self._version_for(req))
 
-    def _version_for(self, req: _Request) -> int:
-        """The tree version a Matched carries: -1, once, for a match a store read in
-        flight may extend (tiers.py), so the scheduler matches it again just before
-        admitting it and a request that waited in its queue finds what was read."""
-        if req.read_in_flight and not req.told_stale:
-            req.told_stale = True
-            return -1
-        return self.tree.version
-
     def _unlock(self, req: _Request) -> None:
         if req.node is not None:
             self.tree.unlock(req.node)

@@ -134,6 +134,15 @@ class Tiers:
                 return None
         return node, pages
 
+    def _version_for(self, req: _Request) -> int:
+        """The tree version a Matched carries: -1, once, for a match a store read in
+        flight may extend (_through_tiers), so the scheduler matches it again just before
+        admitting it and a request that waited in its queue finds what was read."""
+        if req.read_in_flight and not req.told_stale:
+            req.told_stale = True
+            return -1
+        return self.tree.version
+
     def _release_blocks(self, blocks: list[EvictedBlock], out: list[Msg]) -> int:
         """Free what eviction took out of the tree; returns the device pages freed."""
         pages = [p for b in blocks for p in b.pages]

@@ -19,6 +19,9 @@ Theory of operation
          peak and against the measured matmul rate; that run's host time before the
          model's first launch (the device idles meanwhile: batch building, checks,
          staging); every run's time in order, with the clocks under --prefill-clocks.
+      4b. under --extend P+N,...: one step of N new tokens over P cached ones
+         (bench_gpu_extend.py), as a request's first step after a prefix-cache hit:
+         median and best ms against the step's byte and FLOP floor.
       5. HF transformers `generate` on the same weights (bench_gpu_hf.py) at bs=1 and at
          the batch sizes <= 64 (--hf-new-tokens each): decode tok/s and our ratio.
       6. offline: --offline-requests random requests of --offline-input-len tokens, each
@@ -47,6 +50,7 @@ from tqdm import tqdm
 from shunter.actors.executor.models.config import ModelConfig
 from shunter.ops import bench_settings, bench_stub
 from shunter.ops.bench_gpu_driver import GREEDY, Driver, offline_run, random_prompts
+from shunter.ops.bench_gpu_extend import parse_shapes
 from shunter.ops.bench_gpu_model import (
     MODELS,
     decode_step_bytes,
@@ -103,7 +107,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--kernel-profile-bs", default="1",
                    help="comma-separated batch sizes --kernel-profile profiles; the entry "
-                        "'prefill' profiles one --prefill-len prefill instead")  # fmt: skip
+                        "'prefill' profiles one --prefill-len prefill instead, 'extend' "
+                        "one step of each --extend shape")  # fmt: skip
+    g.add_argument("--extend", default="", metavar="P+N,...",
+                   help="also time a step of N new tokens over P cached ones for each pair, "
+                        "e.g. 2048+32 (bench_gpu_extend.py)")  # fmt: skip
     g.add_argument("--temperature", type=float, default=0.0,
                    help="sampling of every row (default 0: greedy)")  # fmt: skip
     g.add_argument("--top-p", type=float, default=1.0, help="sampling of every row")
@@ -215,8 +223,10 @@ def _sizes(args: argparse.Namespace, batch_sizes: list[int]) -> dict:
     off_ctx = args.offline_input_len + args.offline_output_len
     off_rows = min(args.offline_requests, args.offline_max_running)
     max_rows = max(*batch_sizes, off_rows, 1)
-    ctx = max(args.prefill_len, bs1_ctx, thr_ctx, off_ctx) + args.page_size
-    tokens = max(args.prefill_len, bs1_ctx, max(batch_sizes) * thr_ctx, off_rows * off_ctx)
+    ext_ctx = max((p + n for p, n in parse_shapes(getattr(args, "extend", ""))), default=0)
+    ctx = max(args.prefill_len, bs1_ctx, thr_ctx, off_ctx, ext_ctx) + args.page_size
+    tokens = max(args.prefill_len, bs1_ctx, max(batch_sizes) * thr_ctx, off_rows * off_ctx,
+                 ext_ctx)  # fmt: skip
     return {"context_length": ctx, "max_total_tokens": tokens + args.page_size * (max_rows + 1),
             "max_num_rows": max_rows}  # fmt: skip
 
@@ -256,6 +266,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not batch_sizes or min(batch_sizes) < 1 or args.decode_steps < 1:
         print("bench executor: batch sizes and --decode-steps must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        parse_shapes(args.extend)
+    except ValueError as e:
+        print(f"bench executor: {e}", file=sys.stderr)
         return 2
     settings = bench_settings.apply_or_report(args.set, "bench executor")
     if settings is None:
@@ -319,13 +334,18 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "kernel_profile", 0):
         from shunter.ops.bench_profile import format_rows, kernel_profile
 
-        for bs in [int(b) for b in profiled if b != "prefill"]:
+        for bs in [int(b) for b in profiled if b not in ("prefill", "extend")]:
             plen = args.bs1_prompt_len if bs == 1 else args.decode_prompt_len
             prompts = prompts_by_bs.get(bs) or random_prompts(bs, plen, vocab, args.seed + bs)
             kp = kernel_profile(driver, prompts, args.kernel_profile, args.token_budget)
             s[f"bs{bs}_kernel_profile"] = kp
             _say(f"bs={bs} decode, {args.kernel_profile} steps profiled:\n"
                  + format_rows(kp, args.kernel_profile))  # fmt: skip
+    if getattr(args, "extend", ""):
+        from shunter.ops.bench_gpu_extend import measure_extend
+
+        profile = bool(getattr(args, "kernel_profile", 0)) and "extend" in profiled
+        measure_extend(driver, args, mcfg, s, nb, profile=profile)
     (prompt,) = random_prompts(1, args.prefill_len, vocab, args.seed)
     profile = bool(getattr(args, "kernel_profile", 0)) and "prefill" in profiled
     measure_prefill(driver, args, mcfg, prompt, s, profile=profile)
@@ -339,7 +359,8 @@ def run(args: argparse.Namespace) -> int:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
-    s.update(bench_offline(driver, args, vocab))
+    if args.offline_requests > 0:
+        s.update(bench_offline(driver, args, vocab))
     s.pop("bs1_tokens", None)
     out = json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in s.items()})
     if args.out:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from shunter.ops.bench_gpu_driver import Driver, sync
+from shunter.ops.bench_gpu_driver import Driver, Entry, sync
 
 
 def kernel_profile(
@@ -48,40 +48,58 @@ def kernel_profile(
     return fold(prof.key_averages(), on_cuda, top)
 
 
-def prefill_profile(driver: Driver, prompt: list[int], top: int = 25) -> tuple[list[dict], dict]:
+def prefill_profile(
+    driver: Driver, prompt: list[int], top: int = 25, prefix: list[int] | None = None
+) -> tuple[list[dict], dict]:
     """`kernel_profile`'s rows for one prefill of the whole prompt (after a warm one),
-    and `idle_gaps` of its timeline (empty on a CPU, which has no device kernels)."""
+    and `idle_gaps` of its timeline (empty on a CPU, which has no device kernels).
+    With `prefix`, its tokens are computed first (untimed) on the step's row, so the
+    profiled step is an extend of `prompt` over them."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     dev = driver.core.runner.device
     on_cuda = dev.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    driver.close_all()
-    driver.prefill([prompt], len(prompt))  # warm
-    driver.close_all()
-    if on_cuda:
-        torch.cuda.synchronize(dev)
+    step = prepare_step(driver, prompt, prefix)
+    step()  # warm
+    step = prepare_step(driver, prompt, prefix)
     with profile(activities=activities) as prof:
         with record_function(STEP):
-            driver.prefill([prompt], len(prompt))
+            step()
         if on_cuda:
             torch.cuda.synchronize(dev)
     driver.close_all()
     idle: dict = {}
     if on_cuda:
         events = prof.events()
-        step = next(e for e in events if e.name == STEP)
+        marked = next(e for e in events if e.name == STEP)
         kernels = [(e.time_range.start, e.time_range.end, e.name) for e in events
                    if e.device_type == torch.autograd.DeviceType.CUDA]  # fmt: skip
-        idle = idle_gaps(kernels, step.time_range.start)
+        idle = idle_gaps(kernels, marked.time_range.start)
     return fold(prof.key_averages(), on_cuda, top), idle
 
 
-def host_profile(driver: Driver, prompt: list[int], top: int) -> list[dict]:
-    """One more prefill of `prompt` under cProfile from the step's start until the model
-    is entered (the host's share before the device starts): the `top` functions by
-    cumulative time, [{fn, calls, self_ms, cum_ms}] (cProfile's own overhead included,
-    so only the ranking and the shares mean much)."""
+def prepare_step(driver: Driver, prompt: list[int], prefix: list[int] | None = None):
+    """Close every row, compute `prefix` (if any) on a new row, synchronize, and return
+    the step to time: `prompt` as one batch, a prefill of a new row or, with a prefix,
+    an extend of the prefix's row."""
+    driver.close_all()
+    if not prefix:
+        sync(driver)
+        return lambda: driver.prefill([prompt], len(prompt))
+    (row,), _ = driver.prefill([prefix], len(prefix))
+    sync(driver)
+    return lambda: driver.step([Entry(row, prompt)])
+
+
+def host_profile(
+    driver: Driver, prompt: list[int], top: int, prefix: list[int] | None = None
+) -> list[dict]:
+    """One more prefill of `prompt` (an extend over `prefix` if given, as in
+    `prefill_profile`) under cProfile from the step's start until the model is entered
+    (the host's share before the device starts): the `top` functions by cumulative
+    time, [{fn, calls, self_ms, cum_ms}] (cProfile's own overhead included, so only the
+    ranking and the shares mean much)."""
     import cProfile
     import pstats
 
@@ -92,10 +110,9 @@ def host_profile(driver: Driver, prompt: list[int], top: int) -> list[dict]:
 
     hook = driver.core.runner.model.register_forward_pre_hook(stop)
     try:
-        driver.close_all()
-        sync(driver)
+        step = prepare_step(driver, prompt, prefix)
         prof.enable()
-        driver.prefill([prompt], len(prompt))
+        step()
         prof.disable()
         sync(driver)
     finally:

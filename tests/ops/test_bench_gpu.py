@@ -180,6 +180,43 @@ def test_whole_run_on_a_cpu_at_toy_sizes(tmp_path, capsys):
     assert min(r["ms"] for r in runs) == pytest.approx(64e3 / summary["prefill_tok_s"], rel=1e-3)
 
 
+def test_extend_run_times_steps_over_a_cached_prefix(capsys):
+    args = _args(["--device", "cpu", "--model", "tiny-llama", "--dtype", "float32",
+                  "--batch-sizes", "1", "--decode-steps", "2", "--prefill-len", "16",
+                  "--bs1-prompt-len", "8", "--repeats", "3", "--skip-hf",
+                  "--offline-requests", "0", "--extend", "40+8, 0+8", "--kernel-profile", "1",
+                  "--kernel-profile-bs", "extend", "--prefill-host-profile", "300"])  # fmt: skip
+    assert bg.run(args) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert "offline_output_tok_s" not in summary  # --offline-requests 0 skips it
+    for key in ("extend_40+8", "extend_0+8"):
+        fig = summary[key]
+        assert len(fig["runs_ms"]) == 3
+        assert min(fig["runs_ms"]) == pytest.approx(fig["best_ms"], abs=1e-3)
+        assert 0 < fig["host_ms"] < fig["best_ms"] <= fig["median_ms"]
+        assert "floor_ms" not in fig  # no ceilings measured on a CPU
+        assert fig["kernel_profile"] and fig["idle"] == {}
+        assert any("plan_batch" in r["fn"] for r in fig["host_profile"])
+    assert "extend 8 tokens over 40 cached: median" in out
+
+
+def test_an_extend_step_samples_what_a_prefill_of_the_whole_prompt_does(model_dir):
+    from shunter.ops.bench_profile import prepare_step
+
+    driver = Driver(_core(model_dir))
+    prefix, new = random_prompts(2, 24, driver.core.vocab_size, seed=5)
+    _, (whole,) = prepare_step(driver, prefix + new[:9])()  # a prefill: (rows, first tokens)
+    assert list(prepare_step(driver, new[:9], prefix)().values()) == [whole]  # {row: token}
+    assert len(driver.row_len) == 1 and next(iter(driver.row_len.values())) == 33
+
+
+def test_bad_extend_shapes_are_refused(capsys):
+    for bad in ("2048", "12+0", "a+3", "1+-2"):
+        assert bg.run(_args(["--device", "cpu", "--model", "tiny-llama", "--extend", bad])) == 2
+        assert "--extend wants PREFIX+NEW" in capsys.readouterr().err
+
+
 def test_sampled_run_reports_no_greedy_agreement(capsys):
     """--temperature/--top-p sample every row (top-p through its sorted path): the run
     completes, and greedy agreement with HF is not claimed for sampled tokens."""

@@ -83,6 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="decode steps one at a time (default: step N+1 submitted first)",
     )
     g.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    g.add_argument("--disable-piecewise-cuda-graph", action="store_true",
+                   help="prefill, extend and mixed steps eagerly (no piecewise graphs)")  # fmt: skip
+    g.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=None)
     g.add_argument("--token-budget", type=int, default=8192, help="prefill tokens per batch")
     g.add_argument("--prefill-pause", type=float, default=0.0, metavar="SECONDS",
                    help="idle device time before each timed prefill (default 0: back to back)")  # fmt: skip
@@ -252,6 +255,8 @@ def build(args: argparse.Namespace, model_dir: pathlib.Path, dummy: bool, sizes:
         weight_format=args.weight_format, attention_backend=args.attention_backend,
         decode_attention_backend=args.decode_attention_backend,
         cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph,
+        disable_piecewise_cuda_graph=args.disable_piecewise_cuda_graph,
+        piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
         **sizes,
     )  # fmt: skip
     return build_core(cfg), cfg

@@ -102,9 +102,11 @@ def no_effect_notes(a: ServerArgs) -> list[str]:
     """Options accepted for SGLang compatibility that this build does not act on: each is
     said out loud at start rather than silently ignored."""
     notes = []
-    if a.device == "cpu" and (a.cuda_graph_max_bs is not None or a.disable_cuda_graph):
-        notes.append("--cuda-graph-max-bs / --disable-cuda-graph: CUDA graphs exist only "
-                     "on a CUDA device")  # fmt: skip
+    if a.device == "cpu" and (a.cuda_graph_max_bs is not None or a.disable_cuda_graph
+                              or a.piecewise_cuda_graph_max_tokens is not None
+                              or a.disable_piecewise_cuda_graph):  # fmt: skip
+        notes.append("--cuda-graph-max-bs / --disable-cuda-graph / --piecewise-cuda-graph-*: "
+                     "CUDA graphs exist only on a CUDA device")  # fmt: skip
     if a.device == "cpu" and a.skip_server_warmup:
         notes.append("--skip-server-warmup: only a CUDA executor warms up")
     for field, why in COMPAT_ONLY.items():
@@ -191,6 +193,10 @@ def build_config(spec: ActorSpec, a: ServerArgs, ready: Mapping[str, Ready], see
                 disable_cuda_graph=a.disable_cuda_graph, load_progress=console_logs(a),
                 skip_server_warmup=a.skip_server_warmup,
                 cuda_graph_bs=tuple(a.cuda_graph_bs) if a.cuda_graph_bs else None,
+                disable_piecewise_cuda_graph=a.disable_piecewise_cuda_graph,
+                piecewise_cuda_graph_max_tokens=a.piecewise_cuda_graph_max_tokens,
+                piecewise_cuda_graph_tokens=tuple(a.piecewise_cuda_graph_tokens)
+                if a.piecewise_cuda_graph_tokens else None,
                 model_overrides=json.loads(a.json_model_override_args or "{}"),
                 enable_hierarchical_cache=a.enable_hierarchical_cache,
                 hicache_ratio=a.hicache_ratio, hicache_size=float(a.hicache_size),

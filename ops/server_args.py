@@ -124,6 +124,11 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     cuda_graph_max_bs: int | None = None
     cuda_graph_bs: list[int] | None = None
     disable_cuda_graph: bool = False
+    disable_piecewise_cuda_graph: bool = False
+    enable_piecewise_cuda_graph: bool = False
+    enforce_piecewise_cuda_graph: bool = False
+    piecewise_cuda_graph_max_tokens: int | None = None
+    piecewise_cuda_graph_tokens: list[int] | None = None
     skip_server_warmup: bool = False
     attention_backend: str = "auto"
     decode_attention_backend: str = "auto"
@@ -244,7 +249,8 @@ def _problems(a: ServerArgs) -> list[str]:
         out.append("--host: must not be empty")
     at_least_one = ("max_running_requests", "max_queued_requests", "max_prefill_tokens",
                     "max_total_tokens", "context_length", "page_size", "stream_interval",
-                    "cuda_graph_max_bs", "prefill_max_requests")  # fmt: skip
+                    "cuda_graph_max_bs", "prefill_max_requests",
+                    "piecewise_cuda_graph_max_tokens")  # fmt: skip
     for field in at_least_one:
         value = getattr(a, field)
         if value is not None and value < 1:
@@ -286,6 +292,9 @@ def _problems(a: ServerArgs) -> list[str]:
         )
     if a.cuda_graph_bs is not None and (not a.cuda_graph_bs or min(a.cuda_graph_bs) < 1):
         out.append(f"{flag('cuda_graph_bs')}: batch sizes must be >= 1")
+    tokens = a.piecewise_cuda_graph_tokens
+    if tokens is not None and (not tokens or min(tokens) < 1):
+        out.append(f"{flag('piecewise_cuda_graph_tokens')}: token counts must be >= 1")
     for field in ("decode_log_interval", "priority_scheduling_preemption_threshold"):
         if getattr(a, field) < 0:
             out.append(f"{flag(field)}: must be >= 0")

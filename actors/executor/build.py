@@ -5,9 +5,10 @@ wraps both in a ModelRunner and an ExecutorCore. On CUDA the pool is sized as SG
 sizes it: `mem_fraction_static` (default DEFAULT_CUDA_MEM_FRACTION) of the device's
 total memory is the budget of everything static (weights, KV pool, slot table, graph
 buffers), so the pool gets what is free after loading minus the (1 - fraction) share
-kept for activations, minus the slot table and an estimate of what the decode graphs
-hold. The runner then captures its decode graphs (a progress bar) unless
-`disable_cuda_graph`, and the core runs the warm-up steps (warmup.py) unless
+kept for activations, minus the slot table and an estimate of what the decode and
+piecewise graphs hold. The runner then captures its decode graphs and its piecewise
+graphs of prefill/extend steps (progress bars) unless `disable_cuda_graph` (the
+piecewise ones also unless `disable_piecewise_cuda_graph`), and the core runs the warm-up steps (warmup.py) unless
 `skip_server_warmup`, so that the attention kernels flashinfer compiles on first use
 are built before the executor is ready rather than inside a request's step. On a CPU
 the pool is sized from host memory (kv_pool.py) and nothing needs warming. With
@@ -31,7 +32,11 @@ import time
 import structlog
 import torch
 
-from shunter.actors.executor.config import DEFAULT_CUDA_GRAPH_MAX_BS, ExecutorConfig
+from shunter.actors.executor.config import (
+    DEFAULT_CUDA_GRAPH_MAX_BS,
+    DEFAULT_PIECEWISE_MAX_TOKENS,
+    ExecutorConfig,
+)
 from shunter.actors.executor.core import ExecutorCore
 from shunter.actors.executor.cuda_graph import capture_sizes
 from shunter.actors.executor.file_store import FileStore
@@ -85,6 +90,27 @@ def graph_bytes(mcfg: ModelConfig, max_bs: int | None, elem: int) -> int:
         mcfg.hidden_size, mcfg.intermediate_size * 2, mcfg.q_size + 2 * mcfg.kv_size
     )
     return sum(capture_sizes(max_bs)) * row + (256 << 20)
+
+
+def piecewise_max_tokens(config: ExecutorConfig, device: torch.device) -> int | None:
+    """Largest step replayed from piecewise graphs, or None when none is captured."""
+    if device.type != "cuda" or config.disable_cuda_graph or config.disable_piecewise_cuda_graph:
+        return None
+    largest = config.piecewise_cuda_graph_max_tokens or DEFAULT_PIECEWISE_MAX_TOKENS
+    if config.piecewise_cuda_graph_tokens is not None:
+        largest = min(largest, max(config.piecewise_cuda_graph_tokens))
+    return largest
+
+
+def piecewise_bytes(mcfg: ModelConfig, max_tokens: int | None, elem: int) -> int:
+    """What the piecewise graphs are expected to hold: the buffers the pieces share and
+    the largest piece's activations (the MLP's, twice its width), for the largest step."""
+    if max_tokens is None:
+        return 0
+    qkv = mcfg.q_size + 2 * mcfg.kv_size
+    shared = qkv + mcfg.q_size + 2 * mcfg.hidden_size
+    piece = 2 * (2 * mcfg.intermediate_size) + qkv + 2 * mcfg.hidden_size
+    return max_tokens * elem * (shared + piece) + (64 << 20)
 
 
 def cuda_kv_budget(
@@ -148,11 +174,13 @@ def build_core(config: ExecutorConfig) -> ExecutorCore:
                           mcfg.max_position_embeddings)  # fmt: skip
     on_cuda = device.type == "cuda"
     max_bs = graph_max_bs(config, device)
+    pw_tokens = piecewise_max_tokens(config, device)
     mem_bytes = None
     if on_cuda and config.max_total_tokens is None:
         elem = torch.empty((), dtype=dtype).element_size()
         table = (config.max_num_rows + 1) * max_context_len * 4
-        mem_bytes, facts = cuda_kv_budget(config, device, table + graph_bytes(mcfg, max_bs, elem))
+        graphs = graph_bytes(mcfg, max_bs, elem) + piecewise_bytes(mcfg, pw_tokens, elem)
+        mem_bytes, facts = cuda_kv_budget(config, device, table + graphs)
         log.info("kv budget", **{k: round(v / 2**30, 2) for k, v in facts.items()},
                  kv_gib=round(mem_bytes / 2**30, 2))  # fmt: skip
     pool = KVPool.from_budget(
@@ -185,6 +213,8 @@ def build_core(config: ExecutorConfig) -> ExecutorCore:
         cuda_graph_max_bs=max_bs,
         progress=config.load_progress,
         cuda_graph_sizes=config.cuda_graph_bs,
+        piecewise_max_tokens=pw_tokens,
+        piecewise_sizes=config.piecewise_cuda_graph_tokens,
     )
     core = ExecutorCore(
         runner,
@@ -205,5 +235,6 @@ def build_core(config: ExecutorConfig) -> ExecutorCore:
              device=str(device), backend=runner.backend, num_pages=pool.num_pages,
              page_size=pool.page_size, num_host_pages=host_pool.num_pages if host_pool else 0,
              host_pinned=host_pool.pinned if host_pool else False, cuda_graph_max_bs=max_bs,
+             piecewise_max_tokens=pw_tokens,
              load_s=round(t1 - t0, 2), capture_s=round(t2 - t1, 2), warmup_s=round(time.perf_counter() - t2, 2))  # fmt: skip
     return core

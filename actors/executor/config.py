@@ -13,6 +13,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 DECODE_ATTENTION_BACKENDS = ("auto", "triton", "flashinfer")
 # Decode batch sizes captured as CUDA graphs up to cuda_graph_max_bs (and that bound itself)
 DEFAULT_CUDA_GRAPH_MAX_BS = 256
+# Largest step (new tokens) replayed from piecewise graphs by default: above it the device,
+# not the host's launches, sets a step's time (BENCHMARKS.md, "piecewise graphs")
+DEFAULT_PIECEWISE_MAX_TOKENS = 512
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
@@ -68,6 +71,13 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
     cuda_graph_bs: tuple[int, ...] | None = None
     """The decode batch sizes captured (SGLang's --cuda-graph-bs); the largest is the
     largest replayed unless cuda_graph_max_bs is smaller. None: the default buckets."""
+    disable_piecewise_cuda_graph: bool = False
+    """Run prefill, extend and mixed steps eagerly (no piecewise graphs)."""
+    piecewise_cuda_graph_max_tokens: int | None = None
+    """Largest step (new tokens) replayed from piecewise graphs (piecewise_graph.py);
+    None: DEFAULT_PIECEWISE_MAX_TOKENS."""
+    piecewise_cuda_graph_tokens: tuple[int, ...] | None = None
+    """The step sizes (new tokens) captured piecewise; None: the default sizes."""
     skip_server_warmup: bool = False
     """On CUDA, skip the warm-up steps (warmup.py) that build the attention kernels
     compiled on first use before the executor is ready."""
@@ -97,6 +107,15 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
             not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1
         ):
             raise ValueError(f"cuda_graph_bs must be sizes >= 1, got {self.cuda_graph_bs}")
+        tokens = self.piecewise_cuda_graph_tokens
+        if tokens is not None and (not tokens or min(tokens) < 1):
+            raise ValueError(f"piecewise_cuda_graph_tokens must be sizes >= 1, got {tokens}")
+        if (
+            self.piecewise_cuda_graph_max_tokens is not None
+            and self.piecewise_cuda_graph_max_tokens < 1
+        ):
+            raise ValueError("piecewise_cuda_graph_max_tokens must be >= 1, got "
+                             f"{self.piecewise_cuda_graph_max_tokens}")  # fmt: skip
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.dtype not in DTYPES:

@@ -9,7 +9,7 @@ its storage swapped for an empty one through `.data`, so every holder of the ten
 object sees the swap; resuming copies each back into new storage. "kv_cache": the
 pool's K/V storage is swapped for empty (kv_pool.py); resuming allocates it again,
 zeroed (what it held is gone; the flip dropped the prefix cache first). "cuda_graph":
-the captured decode graphs and their memory pool. New storage has new addresses, so
+the captured decode and piecewise graphs and their memory pools. New storage has new addresses, so
 the graphs go whenever anything is released and are captured again once everything
 is back. A weights update may run while only the KV cache is released (RL trainers
 resume the weights, sync them, then resume the KV cache); nothing else runs while
@@ -46,8 +46,8 @@ class DeviceMemory:
         an unknown tag or one released already."""
         _check(tags, self.released, "released already")
         runner, freed = self.core.runner, 0
-        if runner.graphs is not None:
-            runner.graphs.drop()
+        for graphs in runner.graph_sets:
+            graphs.drop()
         if "weights" in tags:
             for name, t in model_tensors(runner.model).items():
                 if t.layout != torch.strided:  # an opaque prepacked CPU weight: stays
@@ -85,9 +85,11 @@ class DeviceMemory:
             runner.kv_pool.resume()
         self.released -= set(tags)
         message = f"resumed {sorted(tags)}"
-        if not self.released and runner.graphs is not None and not runner.graphs.captured:
-            runner.graphs.capture_all(progress=False)
-            message += "; decode graphs captured again"
+        again = [g for g in runner.graph_sets if not g.captured] if not self.released else []
+        for graphs in again:
+            graphs.capture_all(progress=False)
+        if again:
+            message += "; CUDA graphs captured again"
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
         return message

@@ -20,8 +20,9 @@ On CUDA (and on request elsewhere) the runner keeps a device copy of the row slo
 tables (slot_table.py), updated from each ForwardInput's row_ids / fresh, and decode
 attention reads it; host vectors reach the device through pinned staging buffers, so
 `forward` launches its work without waiting for the device. An all-decode step of at
-most `cuda_graph_max_bs` entries replays a captured CUDA graph (cuda_graph.py); every
-other step runs eagerly. The attention backend is "torch" (SDPA; any device),
+most `cuda_graph_max_bs` entries replays a captured CUDA graph (cuda_graph.py); any
+other step of at most `piecewise_max_tokens` tokens replays piecewise graphs around
+eager attention (piecewise_graph.py); larger ones run eagerly. The attention backend is "torch" (SDPA; any device),
 "triton" or "flashinfer" (CUDA; kernels/attention_flashinfer.py). Under flashinfer an
 all-decode step's kernels are `decode_backend(batch size)`'s: by default a batch of at
 most TRITON_DECODE_MAX_BS entries decodes with the Triton split-KV kernel over the
@@ -124,13 +125,17 @@ class ModelRunner:
         capture: bool | None = None,
         progress: bool = False,
         cuda_graph_sizes: Sequence[int] | None = None,
+        piecewise_max_tokens: int | None = None,
+        piecewise_sizes: Sequence[int] | None = None,
     ) -> None:
         """decode_attention_backend: "auto", "triton" or "flashinfer" (decode_backend_for);
         slot_table: keep the device row table (default: on CUDA when max_num_rows is
         given); cuda_graph_max_bs: capture decode graphs up to this batch (None: none),
         of the default bucket sizes or of cuda_graph_sizes;
         capture: really capture (default: on CUDA; off runs the padded graph path
-        eagerly)."""
+        eagerly); piecewise_max_tokens: capture piecewise graphs of steps up to this many
+        tokens (piecewise_graph.py; None: none), of the default sizes or of
+        piecewise_sizes."""
         self.model = model
         self.kv_pool = kv_pool
         self.config: ModelConfig = model.config
@@ -195,7 +200,24 @@ class ModelRunner:
                 sizes=cuda_graph_sizes,
             )
             self.graphs.capture_all(progress)
+        self.piecewise = None
+        if piecewise_max_tokens is not None and (self.backend != "torch" or capture is False):
+            from shunter.actors.executor.piecewise_graph import PiecewiseGraphs
+
+            self.piecewise = PiecewiseGraphs(
+                self,
+                piecewise_max_tokens,
+                capture=on_cuda if capture is None else capture,
+                sizes=piecewise_sizes,
+            )
+            self.piecewise.capture_all(progress)
         self._num_forwards = self._num_tokens = self._num_logits = 0
+
+    @property
+    def graph_sets(self) -> list:
+        """The captured graphs this runner replays (decode, piecewise), to drop or
+        capture again together (memory.py)."""
+        return [g for g in (self.graphs, self.piecewise) if g is not None]
 
     def decode_backend(self, batch_size: int) -> str:
         """The kernels of an all-decode step of batch_size entries (decode_backend_for)."""
@@ -275,7 +297,11 @@ class ModelRunner:
             self._num_logits += logits.shape[0]
             return logits
         ctx, ids, positions = self._eager_context(inp, out_slots, table)
-        hidden = self.model(ids, positions, ctx, max_pos=max(inp.seq_lens))  # [T, hidden]
+        pw = self.piecewise
+        if pw is not None and pw.captured and pw.bucket(num_tokens) is not None:
+            hidden = pw.run(inp, out_slots, ctx)  # [T, hidden]
+        else:
+            hidden = self.model(ids, positions, ctx, max_pos=max(inp.seq_lens))
         if inp.logits_indices.shape[0] != hidden.shape[0]:
             hidden = hidden.index_select(0, to_device(inp.logits_indices, self.device))
         logits = self.model.compute_logits(hidden)  # [num_logits, vocab] float32

@@ -43,7 +43,11 @@ SAMPLE: dict[str, str | None] = {
     "enable_hierarchical_cache": None, "hicache_ratio": "3.5", "hicache_size": "4",
     "hicache_write_policy": "write_through_selective", "hicache_storage_backend": "file",
     "hicache_storage_dir": "/tmp/st", "hicache_storage_prefetch_policy": "wait_complete",
+    "disable_piecewise_cuda_graph": None, "enable_piecewise_cuda_graph": None,
+    "enforce_piecewise_cuda_graph": None, "piecewise_cuda_graph_max_tokens": "1024",
+    "piecewise_cuda_graph_tokens": "16 64 256",
 }  # fmt: skip
+LISTS = {"cuda_graph_bs", "piecewise_cuda_graph_tokens"}  # fields given as several values
 # what a field's flag is given with in the alias test (it needs these to be valid)
 NEEDS: dict[str, list[str]] = {"hicache_storage_backend": ["--enable-hierarchical-cache"]}
 ALIASES = [(field, flag) for field, flags, _, _ in OPTIONS for flag in flags]
@@ -56,10 +60,10 @@ def test_sample_covers_every_field():
 @pytest.mark.parametrize(("field", "flag"), ALIASES, ids=[f for _, f in ALIASES])
 def test_every_alias_parses_to_its_field(field, flag):
     value = SAMPLE[field]
-    argv = [flag] if value is None else [flag, *value.split(" ")] if field == "cuda_graph_bs" \
+    argv = [flag] if value is None else [flag, *value.split(" ")] if field in LISTS \
         else [flag, value]  # fmt: skip
     args = parse_server_args(argv + NEEDS.get(field, []))
-    if field == "cuda_graph_bs":
+    if field in LISTS:
         expected = [int(v) for v in value.split()]
     else:
         expected = True if value is None else type(getattr(args, field))(value)
@@ -218,6 +222,10 @@ ERRORS = [
     (["--page-size", "0"], "--page-size 0: must be >= 1"),
     (["--stream-interval", "0"], "--stream-interval 0: must be >= 1"),
     (["--cuda-graph-max-bs", "0"], "--cuda-graph-max-bs 0: must be >= 1"),
+    (["--piecewise-cuda-graph-max-tokens", "0"],
+     "--piecewise-cuda-graph-max-tokens 0: must be >= 1"),
+    (["--piecewise-cuda-graph-tokens", "16", "0"],
+     "--piecewise-cuda-graph-tokens [16, 0]: token counts must be >= 1"),
     (["--chunked-prefill-size", "0"], "--chunked-prefill-size 0: must be >= 1, or -1"),
     (["--chunked-prefill-size", "-2"], "--chunked-prefill-size -2: must be >= 1, or -1"),
     (["--mem-fraction-static", "1.5"], "--mem-fraction-static 1.5: must be in (0, 1]"),

@@ -92,26 +92,43 @@ class LlamaAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],  # rope_gather's operands, shared by layers
         ctx: AttentionContext,
     ) -> torch.Tensor:
+        if ctx.decode_only and not self.qk_norm:  # rope and store inside the decode kernel
+            num_tokens, qk_size = qkv.shape[0], self.q_size + self.kv_size
+            qk = qkv[:, :qk_size].view(num_tokens, -1, self.head_dim)
+            v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+            i = self.layer_idx
+            kv = (ctx.k_buffers[i], ctx.v_buffers[i], ctx.out_slots)
+            o = attention_decode_rope_store(qk, v, rope, *kv, self.num_heads,
+                                            ctx.decode_plan, self.scale)  # fmt: skip
+            return self.output(o)
+        return self.output(self.attend(ctx, *self.rope_store(qkv, rope, ctx)))
+
+    def rope_store(
+        self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+        """What comes before attention: (q [T, H, D], k, v [T, Hkv, D], stored), q and k
+        normed (Qwen3) and rotated; without q/k norms k and v are also stored in the pool
+        (`stored`), by the same kernel that rotates q and k ([T, H + Hkv, D] in place)."""
         num_tokens = qkv.shape[0]
         qk_size = self.q_size + self.kv_size
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q = self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size : qk_size].view(num_tokens, self.num_kv_heads, -1))
-            q, k = rope_rotate(q, *rope), rope_rotate(k, *rope)
-            stored = False
-        else:  # q and k rotated in one pass ([T, H + Hkv, D]) that also stores k and v
-            i, qk = self.layer_idx, qkv[:, :qk_size].view(num_tokens, -1, self.head_dim)
-            kv = (ctx.k_buffers[i], ctx.v_buffers[i], ctx.out_slots)
-            if ctx.decode_only:  # rope and store may run inside the decode kernel
-                o = attention_decode_rope_store(qk, v, rope, *kv, self.num_heads,
-                                                ctx.decode_plan, self.scale)  # fmt: skip
-                return project(self.o_proj, o.reshape(num_tokens, self.q_size))
-            qk = rope_kv_store(qk, v, rope, *kv, self.num_heads)
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-            stored = True
-        o = paged_attention(ctx, self.layer_idx, q, k, v, self.scale, stored=stored)  # [T, H, D]
-        return project(self.o_proj, o.reshape(num_tokens, self.q_size))
+            return rope_rotate(q, *rope), rope_rotate(k, *rope), v, False
+        i, qk = self.layer_idx, qkv[:, :qk_size].view(num_tokens, -1, self.head_dim)
+        qk = rope_kv_store(qk, v, rope, ctx.k_buffers[i], ctx.v_buffers[i], ctx.out_slots,
+                           self.num_heads)  # fmt: skip
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], v, True
+
+    def attend(self, ctx: AttentionContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               stored: bool) -> torch.Tensor:  # fmt: skip
+        """[T, H, D] attention over the pool (k, v stored first unless `stored`)."""
+        return paged_attention(ctx, self.layer_idx, q, k, v, self.scale, stored=stored)
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """The output projection of the attention's [T, H, D] (or [T, H * D]) result."""
+        return project(self.o_proj, o.reshape(o.shape[0], self.q_size))
 
     def rope_store_in_qkv(self, x: torch.Tensor, ctx: AttentionContext) -> bool:
         """Whether this decode step's qkv projection also applies rope and stores k, v
@@ -130,8 +147,7 @@ class LlamaAttention(nn.Module):
         kv = (ctx.k_buffers[i], ctx.v_buffers[i])
         q = qkv_rope_mod.qkv_rope_store(h, proj.weight, proj.bias, rope, *kv, ctx.out_slots,
                                         self.num_heads)  # fmt: skip
-        o = attention_decode(q, *kv, ctx.decode_plan, self.scale)
-        return project(self.o_proj, o.reshape(h.shape[0], self.q_size))
+        return self.output(attention_decode(q, *kv, ctx.decode_plan, self.scale))
 
 
 class LlamaMLP(nn.Module):
@@ -175,7 +191,7 @@ class LlamaDecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         ctx: AttentionContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        attn, mlp = self.self_attn, self.mlp
+        attn = self.self_attn
         if attn.rope_store_in_qkv(x, ctx):
             norm = self.input_layernorm
             h, residual = fused_add_rmsnorm(x, residual, norm.weight, norm.eps)
@@ -183,7 +199,29 @@ class LlamaDecoderLayer(nn.Module):
         else:
             qkv, residual = norm_project(attn.qkv_proj, self.input_layernorm, x, residual)
             h = attn(qkv, rope, ctx)
-        norm = self.post_attention_layernorm
+        return self.feed_forward(h, residual)
+
+    def before_attention(
+        self, x: torch.Tensor, residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext,
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]:  # fmt: skip
+        """The layer up to its attention: (`LlamaAttention.rope_store`'s q, k, v, stored;
+        the residual stream). `forward` without the fused decode paths, split where a
+        piecewise graph (piecewise_graph.py) leaves attention to run eagerly."""
+        qkv, residual = norm_project(self.self_attn.qkv_proj, self.input_layernorm, x, residual)
+        return self.self_attn.rope_store(qkv, rope, ctx), residual
+
+    def after_attention(
+        self, o: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer from its attention's output o [T, H * D] on: (output, residual)."""
+        return self.feed_forward(self.self_attn.output(o), residual)
+
+    def feed_forward(
+        self, h: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The post-attention norm and the MLP of the attention block's output h."""
+        mlp, norm = self.mlp, self.post_attention_layernorm
         if mlp.swiglu_in_gate_up():
             x_mlp, residual = fused_add_rmsnorm(h, residual, norm.weight, norm.eps)
             return mlp.swiglu_down(x_mlp), residual
@@ -210,8 +248,12 @@ class LlamaModel(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, ctx)
+        return self.final_norm(x, residual)
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last layer's output added to the residual stream and normed: [T, hidden]."""
         x, _ = fused_add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)
-        return x  # [T, hidden]
+        return x
 
 
 # HF checkpoint names of the projections fused here: (hf suffix, our suffix, shard index)

@@ -52,15 +52,34 @@ _BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 1
             192, 208, 224, 240, 256, 288, 320, 352, 384, 448, 512)  # fmt: skip
 
 
-def capture_sizes(max_bs: int, sizes: Sequence[int] | None = None) -> list[int]:
-    """The bucket sizes captured for a largest batch of `max_bs` (itself included): the
-    default buckets below it, or the given `sizes` below it (--cuda-graph-bs)."""
-    if max_bs < 1:
-        raise ValueError(f"max_bs must be >= 1, got {max_bs}")
+def capture_sizes(largest: int, sizes: Sequence[int] | None = None,
+                  defaults: Sequence[int] = _BUCKETS) -> list[int]:  # fmt: skip
+    """The bucket sizes captured up to `largest` (itself included): the `defaults` below
+    it, or the given `sizes` below it (--cuda-graph-bs, --piecewise-cuda-graph-tokens)."""
+    if largest < 1:
+        raise ValueError(f"the largest graph size must be >= 1, got {largest}")
     if sizes is not None and (not sizes or min(sizes) < 1):
-        raise ValueError(f"graph batch sizes must be >= 1, got {list(sizes)}")
-    below = _BUCKETS if sizes is None else sizes
-    return sorted({b for b in below if b < max_bs} | {max_bs})
+        raise ValueError(f"graph sizes must be >= 1, got {list(sizes)}")
+    below = defaults if sizes is None else sizes
+    return sorted({b for b in below if b < largest} | {largest})
+
+
+def capture_stream(runner: ModelRunner, stream: torch.cuda.Stream | None) -> torch.cuda.Stream:
+    """The side stream a graph set captures on (`stream`, or a new one the first time:
+    see DecodeGraphs.__init__), once the rope table is grown to the slot table's width
+    (never inside a graph) and the current stream's queued work comes before it."""
+    assert runner.slot_table is not None, "graphs read the device slot table's width"
+    runner.model.cos_sin_cache(runner.slot_table.width)
+    if stream is None:
+        stream = torch.cuda.Stream(runner.device)
+    stream.wait_stream(torch.cuda.current_stream(runner.device))
+    return stream
+
+
+def bucket_of(sizes: list[int], n: int) -> int | None:
+    """The smallest of the sorted `sizes` >= n, or None if n is above them all."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
 
 
 class DecodeGraphs:
@@ -95,8 +114,7 @@ class DecodeGraphs:
 
     def bucket(self, bs: int) -> int | None:
         """The smallest captured size >= bs, or None if bs is above them all."""
-        i = bisect.bisect_left(self.sizes, bs)
-        return self.sizes[i] if i < len(self.sizes) else None
+        return bucket_of(self.sizes, bs)
 
     # ---- capture --------------------------------------------------------------------
 
@@ -126,12 +144,8 @@ class DecodeGraphs:
         if not self.capture:
             return
         r = self.runner
-        r.model.cos_sin_cache(r.slot_table.width)  # grown now, never inside a graph
+        self._stream = stream = capture_stream(r, self._stream)
         pool = torch.cuda.graph_pool_handle()
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(r.device)
-        stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream(r.device))
         sizes = sorted(self.sizes, reverse=True)
         for bs in tqdm(sizes, desc="capturing decode graphs", unit="graph", disable=not progress):
             self._plan_flashinfer(bs, [1] * bs)

@@ -36,13 +36,13 @@ padded pieces run eagerly: what the CPU tests check.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
+from shunter.actors.executor import cuda_graph
 from shunter.actors.executor.models.attention import AttentionContext
 from shunter.kernels.rope import rope_gather
 
@@ -58,12 +58,7 @@ _BUCKETS = (4, 8, 12, 16, 20, 24, 28, 32, 48, 64, 80, 96, 112, 128, 144, 160, 17
 def capture_sizes(max_tokens: int, sizes: Sequence[int] | None = None) -> list[int]:
     """The token counts captured for a largest step of `max_tokens` (itself included):
     the default buckets below it, or the given `sizes` below it."""
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    if sizes is not None and (not sizes or min(sizes) < 1):
-        raise ValueError(f"piecewise graph token counts must be >= 1, got {list(sizes)}")
-    below = _BUCKETS if sizes is None else sizes
-    return sorted({t for t in below if t < max_tokens} | {max_tokens})
+    return cuda_graph.capture_sizes(max_tokens, sizes, _BUCKETS)
 
 
 class PiecewiseGraphs:
@@ -96,8 +91,7 @@ class PiecewiseGraphs:
 
     def bucket(self, num_tokens: int) -> int | None:
         """The smallest captured size >= num_tokens, or None if above them all."""
-        i = bisect.bisect_left(self.sizes, num_tokens)
-        return self.sizes[i] if i < len(self.sizes) else None
+        return cuda_graph.bucket_of(self.sizes, num_tokens)
 
     # ---- the pieces ---------------------------------------------------------------
 
@@ -151,14 +145,9 @@ class PiecewiseGraphs:
         if not self.capture:
             return
         r = self.runner
-        assert r.slot_table is not None, "the rope table is grown to the slot table's width"
-        r.model.cos_sin_cache(r.slot_table.width)  # grown now, never inside a graph
+        self._stream = stream = cuda_graph.capture_stream(r, self._stream)
         num_pieces = len(r.model.model.layers) + 1
         pool = torch.cuda.graph_pool_handle()
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(r.device)
-        stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream(r.device))
         sizes = sorted(self.sizes, reverse=True)
         for t in tqdm(sizes, desc="capturing piecewise graphs", unit="size", disable=not progress):
             with torch.cuda.stream(stream):

@@ -73,8 +73,9 @@ def prefill_profile(
     if on_cuda:
         events = prof.events()
         marked = next(e for e in events if e.name == STEP)
+        # the step's own range also shows on the device's track: not a kernel
         kernels = [(e.time_range.start, e.time_range.end, e.name) for e in events
-                   if e.device_type == torch.autograd.DeviceType.CUDA]  # fmt: skip
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.name != STEP]  # fmt: skip
         idle = idle_gaps(kernels, marked.time_range.start)
     return fold(prof.key_averages(), on_cuda, top), idle
 
@@ -188,6 +189,8 @@ def fold(averages, device_time: bool, top: int) -> list[dict]:
     `top` rows, the last of them summing the rest when there are more."""
     rows = []
     for e in averages:
+        if e.key == STEP:  # a range this module marks, not an op or a kernel
+            continue
         if device_time:
             if e.device_type == torch.autograd.DeviceType.CPU:
                 continue  # host-side ops; their kernels are rows of their own

@@ -83,8 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="decode steps one at a time (default: step N+1 submitted first)",
     )
     g.add_argument("--cuda-graph-max-bs", type=int, default=None)
-    g.add_argument("--disable-piecewise-cuda-graph", action="store_true",
-                   help="prefill, extend and mixed steps eagerly (no piecewise graphs)")  # fmt: skip
+    g.add_argument("--enable-piecewise-cuda-graph", action="store_true",
+                   help="prefill, extend and mixed steps from piecewise graphs")  # fmt: skip
     g.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=None)
     g.add_argument("--token-budget", type=int, default=8192, help="prefill tokens per batch")
     g.add_argument("--prefill-pause", type=float, default=0.0, metavar="SECONDS",
@@ -255,7 +255,7 @@ def build(args: argparse.Namespace, model_dir: pathlib.Path, dummy: bool, sizes:
         weight_format=args.weight_format, attention_backend=args.attention_backend,
         decode_attention_backend=args.decode_attention_backend,
         cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph,
-        disable_piecewise_cuda_graph=args.disable_piecewise_cuda_graph,
+        piecewise_cuda_graph=args.enable_piecewise_cuda_graph,
         piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
         **sizes,
     )  # fmt: skip

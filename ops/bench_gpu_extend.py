@@ -47,8 +47,9 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 def time_extend(driver: Driver, prefix: list[int], new: list[int], repeats: int) -> dict:
     """{runs_ms: every timed run in order, median_ms, best_ms, host_ms: the best run's
-    host time before the model's first launch}."""
-    runs, host, entered = [], {}, [0.0]
+    host time before the model's first launch, None when the model was not entered
+    (a step replayed from piecewise graphs)}."""
+    runs, host, entered = [], {}, [None]
 
     def mark(_module, _args) -> None:
         entered[0] = time.perf_counter()
@@ -58,13 +59,14 @@ def time_extend(driver: Driver, prefix: list[int], new: list[int], repeats: int)
         for i in tqdm(range(repeats + 1), desc=f"extend {len(prefix)}+{len(new)}", unit="run",
                       file=sys.stderr, leave=False):  # fmt: skip
             step = prepare_step(driver, new, prefix)
+            entered[0] = None
             t0 = time.perf_counter()
             step()
             sync(driver)
             ms = (time.perf_counter() - t0) * 1e3
             if i:  # the first run warms up
                 runs.append(ms)
-                host[ms] = (entered[0] - t0) * 1e3
+                host[ms] = None if entered[0] is None else (entered[0] - t0) * 1e3
     finally:
         hook.remove()
         driver.close_all()
@@ -93,9 +95,10 @@ def measure_extend(driver: Driver, args: argparse.Namespace, mcfg: ModelConfig, 
         fig = time_extend(driver, prefix, new, args.repeats)
         key = f"extend_{prefix_len}+{new_len}"
         floor = floor_ms(mcfg, prefix_len, new_len, dtype_bytes, s)
+        host = ("piecewise graphs" if fig["host_ms"] is None
+                else f"{fig['host_ms']:.2f} ms on the host before the model")  # fmt: skip
         line = (f"extend {new_len} tokens over {prefix_len} cached: median {fig['median_ms']:.2f}"
-                f" ms, best {fig['best_ms']:.2f} ms ({fig['host_ms']:.2f} ms on the host "
-                "before the model)")  # fmt: skip
+                f" ms, best {fig['best_ms']:.2f} ms ({host})")  # fmt: skip
         if floor:
             fig["floor_ms"], fig["frac_of_floor"] = floor, floor / fig["best_ms"]
             line += f", floor {floor:.2f} ms ({fig['frac_of_floor']:.0%} of it)"

@@ -104,7 +104,7 @@ def no_effect_notes(a: ServerArgs) -> list[str]:
     notes = []
     if a.device == "cpu" and (a.cuda_graph_max_bs is not None or a.disable_cuda_graph
                               or a.piecewise_cuda_graph_max_tokens is not None
-                              or a.disable_piecewise_cuda_graph):  # fmt: skip
+                              or a.enable_piecewise_cuda_graph):  # fmt: skip
         notes.append("--cuda-graph-max-bs / --disable-cuda-graph / --piecewise-cuda-graph-*: "
                      "CUDA graphs exist only on a CUDA device")  # fmt: skip
     if a.device == "cpu" and a.skip_server_warmup:
@@ -193,7 +193,8 @@ def build_config(spec: ActorSpec, a: ServerArgs, ready: Mapping[str, Ready], see
                 disable_cuda_graph=a.disable_cuda_graph, load_progress=console_logs(a),
                 skip_server_warmup=a.skip_server_warmup,
                 cuda_graph_bs=tuple(a.cuda_graph_bs) if a.cuda_graph_bs else None,
-                disable_piecewise_cuda_graph=a.disable_piecewise_cuda_graph,
+                piecewise_cuda_graph=a.enable_piecewise_cuda_graph
+                and not a.disable_piecewise_cuda_graph,
                 piecewise_cuda_graph_max_tokens=a.piecewise_cuda_graph_max_tokens,
                 piecewise_cuda_graph_tokens=tuple(a.piecewise_cuda_graph_tokens)
                 if a.piecewise_cuda_graph_tokens else None,

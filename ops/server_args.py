@@ -126,7 +126,6 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     disable_cuda_graph: bool = False
     disable_piecewise_cuda_graph: bool = False
     enable_piecewise_cuda_graph: bool = False
-    enforce_piecewise_cuda_graph: bool = False
     piecewise_cuda_graph_max_tokens: int | None = None
     piecewise_cuda_graph_tokens: list[int] | None = None
     skip_server_warmup: bool = False

@@ -15,9 +15,6 @@ COMPAT_ONLY = {
     "revision": "models are read from local files only",
     "enable_mixed_chunk": "prefill chunks always share steps with decodes",
     "enable_torch_compile": "the executor runs its own kernels and CUDA graphs",
-    "enable_piecewise_cuda_graph": "piecewise graphs are on by default on CUDA "
-    "(--disable-piecewise-cuda-graph turns them off)",
-    "enforce_piecewise_cuda_graph": "only the flags turn piecewise graphs off here",
     "enable_memory_saver": "/release_memory_occupation works without it",
     "enable_cache_report": "cached_tokens is always in the usage",
     "dist_init_addr": "one node serves alone",
@@ -127,12 +124,12 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
      "decode batch sizes to capture as CUDA graphs (default: 1, 2, 4, 8, 12, 16, 24, ...)"),
     ("disable_cuda_graph", ("--disable-cuda-graph", "--enforce-eager"), "memory",
      "run every step without CUDA graphs (decode and piecewise)"),
+    ("enable_piecewise_cuda_graph",
+     ("--enable-piecewise-cuda-graph", "--enforce-piecewise-cuda-graph"), "memory",
+     "replay prefill, extend and mixed steps from piecewise CUDA graphs (off by default: "
+     "a server under load stalled with them, BENCHMARKS.md)"),
     ("disable_piecewise_cuda_graph", ("--disable-piecewise-cuda-graph",), "memory",
-     "run prefill, extend and mixed steps eagerly (no piecewise CUDA graphs)"),
-    ("enable_piecewise_cuda_graph", ("--enable-piecewise-cuda-graph",), "memory",
-     _compat("enable_piecewise_cuda_graph")),
-    ("enforce_piecewise_cuda_graph", ("--enforce-piecewise-cuda-graph",), "memory",
-     _compat("enforce_piecewise_cuda_graph")),
+     "no piecewise CUDA graphs, whatever else says (the default)"),
     ("piecewise_cuda_graph_max_tokens", ("--piecewise-cuda-graph-max-tokens",), "memory",
      "largest prefill/extend step (new tokens) replayed from piecewise CUDA graphs "
      "(default 512)"),

@@ -8,7 +8,7 @@ buffers), so the pool gets what is free after loading minus the (1 - fraction) s
 kept for activations, minus the slot table and an estimate of what the decode and
 piecewise graphs hold. The runner then captures its decode graphs and its piecewise
 graphs of prefill/extend steps (progress bars) unless `disable_cuda_graph` (the
-piecewise ones also unless `disable_piecewise_cuda_graph`), and the core runs the warm-up steps (warmup.py) unless
+piecewise ones only with `piecewise_cuda_graph`), and the core runs the warm-up steps (warmup.py) unless
 `skip_server_warmup`, so that the attention kernels flashinfer compiles on first use
 are built before the executor is ready rather than inside a request's step. On a CPU
 the pool is sized from host memory (kv_pool.py) and nothing needs warming. With
@@ -94,7 +94,7 @@ def graph_bytes(mcfg: ModelConfig, max_bs: int | None, elem: int) -> int:
 
 def piecewise_max_tokens(config: ExecutorConfig, device: torch.device) -> int | None:
     """Largest step replayed from piecewise graphs, or None when none is captured."""
-    if device.type != "cuda" or config.disable_cuda_graph or config.disable_piecewise_cuda_graph:
+    if device.type != "cuda" or config.disable_cuda_graph or not config.piecewise_cuda_graph:
         return None
     largest = config.piecewise_cuda_graph_max_tokens or DEFAULT_PIECEWISE_MAX_TOKENS
     if config.piecewise_cuda_graph_tokens is not None:

@@ -13,7 +13,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 DECODE_ATTENTION_BACKENDS = ("auto", "triton", "flashinfer")
 # Decode batch sizes captured as CUDA graphs up to cuda_graph_max_bs (and that bound itself)
 DEFAULT_CUDA_GRAPH_MAX_BS = 256
-# Largest step (new tokens) replayed from piecewise graphs by default: above it the device,
+# Largest step (new tokens) replayed from piecewise graphs unless told: above it the device,
 # not the host's launches, sets a step's time (BENCHMARKS.md, "piecewise graphs")
 DEFAULT_PIECEWISE_MAX_TOKENS = 512
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -71,8 +71,10 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
     cuda_graph_bs: tuple[int, ...] | None = None
     """The decode batch sizes captured (SGLang's --cuda-graph-bs); the largest is the
     largest replayed unless cuda_graph_max_bs is smaller. None: the default buckets."""
-    disable_piecewise_cuda_graph: bool = False
-    """Run prefill, extend and mixed steps eagerly (no piecewise graphs)."""
+    piecewise_cuda_graph: bool = False
+    """Replay prefill, extend and mixed steps from piecewise graphs (piecewise_graph.py).
+    Off by default: on an H200 it halved short steps, but a server under a request rate
+    stalled for seconds with it on, not yet explained (BENCHMARKS.md)."""
     piecewise_cuda_graph_max_tokens: int | None = None
     """Largest step (new tokens) replayed from piecewise graphs (piecewise_graph.py);
     None: DEFAULT_PIECEWISE_MAX_TOKENS."""

@@ -44,7 +44,7 @@ SAMPLE: dict[str, str | None] = {
     "hicache_write_policy": "write_through_selective", "hicache_storage_backend": "file",
     "hicache_storage_dir": "/tmp/st", "hicache_storage_prefetch_policy": "wait_complete",
     "disable_piecewise_cuda_graph": None, "enable_piecewise_cuda_graph": None,
-    "enforce_piecewise_cuda_graph": None, "piecewise_cuda_graph_max_tokens": "1024",
+    "piecewise_cuda_graph_max_tokens": "1024",
     "piecewise_cuda_graph_tokens": "16 64 256",
 }  # fmt: skip
 LISTS = {"cuda_graph_bs", "piecewise_cuda_graph_tokens"}  # fields given as several values

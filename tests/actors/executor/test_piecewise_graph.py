@@ -104,13 +104,15 @@ def test_piecewise_capture_sizes():
 
 def test_which_steps_are_captured_piecewise():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert piecewise_max_tokens(ExecutorConfig(), cuda) == DEFAULT_PIECEWISE_MAX_TOKENS
-    assert piecewise_max_tokens(ExecutorConfig(), cpu) is None
-    assert piecewise_max_tokens(ExecutorConfig(disable_cuda_graph=True), cuda) is None
-    assert piecewise_max_tokens(ExecutorConfig(disable_piecewise_cuda_graph=True), cuda) is None
-    cfg = ExecutorConfig(piecewise_cuda_graph_max_tokens=2048)
+    on = ExecutorConfig(piecewise_cuda_graph=True)
+    assert piecewise_max_tokens(on, cuda) == DEFAULT_PIECEWISE_MAX_TOKENS
+    assert piecewise_max_tokens(ExecutorConfig(), cuda) is None  # off unless asked for
+    assert piecewise_max_tokens(on, cpu) is None
+    cfg = ExecutorConfig(piecewise_cuda_graph=True, disable_cuda_graph=True)
+    assert piecewise_max_tokens(cfg, cuda) is None
+    cfg = ExecutorConfig(piecewise_cuda_graph=True, piecewise_cuda_graph_max_tokens=2048)
     assert piecewise_max_tokens(cfg, cuda) == 2048
-    cfg = ExecutorConfig(piecewise_cuda_graph_tokens=(16, 64))
+    cfg = ExecutorConfig(piecewise_cuda_graph=True, piecewise_cuda_graph_tokens=(16, 64))
     assert piecewise_max_tokens(cfg, cuda) == 64
     for bad in (dict(piecewise_cuda_graph_max_tokens=0), dict(piecewise_cuda_graph_tokens=())):
         with pytest.raises(ValueError, match="piecewise_cuda_graph"):

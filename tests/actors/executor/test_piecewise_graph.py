@@ -121,13 +121,11 @@ def test_which_steps_are_captured_piecewise():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize(("dtype", "backend", "tol"), [
-    (torch.float32, "triton", 1e-4), (torch.bfloat16, "triton", 3e-2),
-    (torch.bfloat16, "auto", 3e-2),
-])  # fmt: skip
-def test_captured_pieces_match_the_eager_runner_on_cuda(tiny_model_dir, dtype, backend, tol):
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_captured_pieces_match_the_eager_runner_on_cuda(tiny_model_dir, dtype, tol):
     """The same steps through captured pieces and through the eager model, on CUDA
-    (auto: flashinfer when it imports and takes the tiny head size, else Triton)."""
+    (Triton attention: the tiny model's 16-wide heads are below flashinfer's sizes)."""
+    backend = "triton"
     model, config = load_model(str(tiny_model_dir("llama")), dtype=dtype, device="cuda",
                                progress=False)  # fmt: skip
 

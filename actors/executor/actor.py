@@ -21,7 +21,10 @@ finishing the step in flight (`wait_step_ready`); then it calls `flush` and
 publishes that step's result, rather than holding it for a batch that may only come
 once the scheduler has it. On the CPU a step is done when submit returns, so there
 it flushes at once. Each StepResult is stamped with `forward_us`, the wall
-time from its batch's submit to its result. Runs until cancelled.
+time from its batch's submit to its result; a step slower than SLOW_STEP_S is logged
+("slow step") with its tokens, rows and how the runner ran it (a decode graph,
+piecewise graphs or eagerly), so a stall shows which steps it was. Runs until
+cancelled.
 
 A flip's UpdateWeights comes when nothing runs: the step in flight, if any, is flushed,
 the new checkpoint is copied into the live weights in a worker thread (reload.py), and
@@ -57,6 +60,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import anyio
 import msgspec
@@ -94,6 +98,8 @@ from shunter.bus.subscription import Subscription
 from shunter.bus.transport import Bus
 
 log = structlog.get_logger(actor="executor")
+
+SLOW_STEP_S = 1.0  # a step whose result comes later than this after its submit is logged
 
 INBOX = (ForwardBatch, UpdateWeights, ReleaseMemory, ResumeMemory, ProfileStart, ProfileStop,
          WeightsQuery, SpillPages, LoadPages, StorePages, FetchPages, EraseBlocks)  # fmt: skip
@@ -141,7 +147,7 @@ async def _serve(core: ExecutorCore, config: ExecutorConfig, sub: Subscription, 
     the step and the page copies, is finished first. Weight queries and profile controls
     are answered as they come; a page copy once it has finished on the device, whatever
     the loop is waiting for then."""
-    submitted: deque[int] = deque()  # perf_counter_ns at the submit of each unanswered step
+    submitted: deque[_Step] = deque()  # each unanswered step, in submit order
     prof = Profiler(config.actor_id, core.runner.device)
     memory = DeviceMemory(core)
     out = _Out(bus, submitted, prof)
@@ -165,8 +171,12 @@ async def _serve(core: ExecutorCore, config: ExecutorConfig, sub: Subscription, 
         else:
             if submitted and core.step_ready():
                 await out.publish(await anyio.to_thread.run_sync(core.flush))
-            submitted.append(time.perf_counter_ns())
-            await out.publish(await anyio.to_thread.run_sync(core.submit, batch))
+            step = _Step(time.perf_counter_ns(), len(batch.input_ids), len(batch.rows))
+            submitted.append(step)
+            core.runner.last_path = ""
+            results = await anyio.to_thread.run_sync(core.submit, batch)
+            step.path = core.runner.last_path or "not run"  # a batch refused before its forward
+            await out.publish(results)
         batch = _WOKE
         while batch is _WOKE:  # until a message comes (or the subscription closes)
             await _publish_copies(bus, core.copies.done())
@@ -285,17 +295,31 @@ def _receive_nowait(sub: Subscription) -> Inbound | None:
     return msg
 
 
-class _Out:
-    """Publishes step results, each stamped with its forward time, and ends a profile
-    whose steps are all recorded."""
+@dataclass
+class _Step:
+    """A submitted step: when, its new tokens and rows, how the runner ran it."""
 
-    def __init__(self, bus: Bus, submitted: deque[int], prof: Profiler) -> None:
+    t_ns: int  # perf_counter_ns at its submit
+    tokens: int
+    rows: int
+    path: str = ""
+
+
+class _Out:
+    """Publishes step results, each stamped with its forward time (a slow one logged),
+    and ends a profile whose steps are all recorded."""
+
+    def __init__(self, bus: Bus, submitted: deque[_Step], prof: Profiler) -> None:
         self.bus, self.submitted, self.prof = bus, submitted, prof
 
     async def publish(self, results: list[StepResult]) -> None:
         now = time.perf_counter_ns()
         for out in results:
-            forward_us = (now - self.submitted.popleft()) // 1000
+            step = self.submitted.popleft()
+            forward_us = (now - step.t_ns) // 1000
+            if forward_us >= SLOW_STEP_S * 1e6:
+                log.warning("slow step", step_id=out.step_id, ms=forward_us // 1000,
+                            tokens=step.tokens, rows=step.rows, path=step.path)  # fmt: skip
             if out.error is not None:
                 log.warning("step failed", step_id=out.step_id, error=out.error)
             await self.bus.publish(msgspec.structs.replace(out, forward_us=forward_us))

@@ -212,6 +212,8 @@ class ModelRunner:
             )
             self.piecewise.capture_all(progress)
         self._num_forwards = self._num_tokens = self._num_logits = 0
+        # how the last forward ran: "decode graph", "piecewise" or "eager" (slow-step logs)
+        self.last_path = ""
 
     @property
     def graph_sets(self) -> list:
@@ -291,6 +293,7 @@ class ModelRunner:
         self._num_tokens += num_tokens
         if replay:
             assert graphs is not None
+            self.last_path = "decode graph"
             logits = graphs.run(inp, out_slots)
             if inp.logits_indices.shape[0] != num_tokens:
                 logits = logits.index_select(0, to_device(inp.logits_indices, self.device))
@@ -299,8 +302,10 @@ class ModelRunner:
         ctx, ids, positions = self._eager_context(inp, out_slots, table)
         pw = self.piecewise
         if pw is not None and pw.captured and pw.bucket(num_tokens) is not None:
+            self.last_path = "piecewise"
             hidden = pw.run(inp, out_slots, ctx)  # [T, hidden]
         else:
+            self.last_path = "eager"
             hidden = self.model(ids, positions, ctx, max_pos=max(inp.seq_lens))
         if inp.logits_indices.shape[0] != hidden.shape[0]:
             hidden = hidden.index_select(0, to_device(inp.logits_indices, self.device))

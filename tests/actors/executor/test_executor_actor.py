@@ -291,3 +291,34 @@ async def test_missing_model_fails_the_actor_with_a_clear_error(tmp_path):
     config = ExecutorConfig(model_path=str(tmp_path / "nope"), device="cpu", load_progress=False)
     with pytest.raises(LoadError, match="does not exist"):
         await run(config, bus)
+
+
+@pytest.mark.anyio
+async def test_a_slow_step_is_logged_with_its_tokens_rows_and_path(config, monkeypatch):
+    """Every step counts as slow here (threshold 0): each is logged with what it held
+    and how the runner ran it (eagerly on a CPU); a batch refused before its forward
+    says it did not run."""
+    from structlog.testing import capture_logs
+
+    from shunter.actors.executor import actor as actor_mod
+
+    monkeypatch.setattr(actor_mod, "SLOW_STEP_S", 0.0)
+    hub = InProcHub()
+    exec_bus, sched_bus = hub.connect("executor.0"), hub.connect("scheduler")
+    sent = batches()[:2] + batches()[4:5]  # a prefill, a decode, a refused batch
+    with capture_logs() as logs:
+        async with anyio.create_task_group() as tg:
+            async with sched_bus.subscribe("sched.result", "health.ready") as sub:
+                tg.start_soon(run, config, exec_bus)
+                with anyio.fail_after(120):
+                    assert isinstance((await sub.receive()).msg, Ready)
+                for b in sent:
+                    await sched_bus.publish(b)
+                with anyio.fail_after(120):
+                    for _ in sent:
+                        await sub.receive()
+            tg.cancel_scope.cancel()
+    slow = [(e["step_id"], e["tokens"], e["rows"], e["path"]) for e in logs
+            if e["event"] == "slow step"]  # fmt: skip
+    assert slow == [(0, 11, 1, "eager"), (1, 1, 1, "eager"), (4, 3, 1, "not run")]
+    assert all(e["ms"] >= 0 for e in logs if e["event"] == "slow step")

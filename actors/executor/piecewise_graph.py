@@ -162,6 +162,9 @@ class PiecewiseGraphs:
                     self._piece(t, i)
                 graphs.append(g)
             self._graphs[t] = graphs
+            with torch.cuda.stream(stream):  # each launched once now (writing only the
+                for g in graphs:  # padding slot): no first launch, upload and all, in a request
+                    g.replay()
         torch.cuda.current_stream(r.device).wait_stream(stream)
         torch.cuda.synchronize(r.device)
 

@@ -179,8 +179,9 @@ class StoreTier:
         keys, pages = entry
         self.pending.difference_update(keys)
         self._pin(pages, -1)
-        if msg.copy_id in self.voided:
+        if msg.copy_id in self.voided:  # erased after it: no block known; a failure still counts
             self.voided.discard(msg.copy_id)
+            self.num_failed += not msg.ok
         elif msg.ok:
             self.known.update(keys)
             self.num_stored += len(keys)

@@ -226,6 +226,16 @@ def test_a_write_in_flight_at_a_clear_counts_for_nothing_and_later_ones_do():
     assert core.store.known == set(st_b.keys) and census_ok(core, seq)
 
 
+def test_a_write_that_failed_counts_as_failed_though_a_clear_voided_it():
+    core, seq = make(), Seq()
+    (sp,) = of(serve(core, "a", A, seq), SpillPages)
+    (st,) = of(core.handle(PagesSpilled(sp.copy_id, sp.keys)), StorePages)
+    core.handle(ClearStore("c1"))
+    assert core.handle(PagesStored(st.copy_id, [], ok=False, error="disk full")) == []
+    assert core.statistics().num_store_copies_failed == 1 and not core.store.known
+    assert census_ok(core, seq)
+
+
 def test_a_clear_is_refused_without_a_store_and_reports_a_failed_erase():
     (no,) = CacheManagerCore(CacheConfig(num_pages=8, num_host_pages=8)).handle(ClearStore("x"))
     assert no.clear_id == "x" and not no.ok and "--hicache-storage-backend file" in no.reason

@@ -167,7 +167,8 @@ def build_engine(hf_model, hf_cfg, model_dir: pathlib.Path, *, dtype: torch.dtyp
                  device: str, backend: str, graphs: bool, page_size: int = 16,
                  max_total_tokens: int = 4096, context_length: int = 1024,
                  max_bs: int = 8, fast_init: bool = False):  # fmt: skip
-    """An ExecutorCore from `build_core` holding HF's weights (copied in place)."""
+    """An ExecutorCore from `build_core` holding HF's weights (copied in place); with
+    `graphs`, decode graphs and piecewise graphs of the prefills (piecewise_graph.py)."""
     from shunter.actors.executor.build import build_core
     from shunter.actors.executor.config import ExecutorConfig
 
@@ -177,6 +178,7 @@ def build_engine(hf_model, hf_cfg, model_dir: pathlib.Path, *, dtype: torch.dtyp
         dtype=DTYPE_NAMES[dtype], page_size=page_size, max_total_tokens=max_total_tokens,
         context_length=context_length, max_num_rows=2 * max_bs, load_progress=False,
         attention_backend=backend, disable_cuda_graph=not graphs, cuda_graph_max_bs=max_bs,
+        piecewise_cuda_graph=graphs,
     )  # fmt: skip
     with skip_dummy_init() if fast_init else contextlib.nullcontext():
         core = build_core(config)

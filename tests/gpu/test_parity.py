@@ -1,5 +1,6 @@
 """Greedy parity of the executor core with HF transformers on the same dummy weights,
-over every engine variant: CUDA graphs on/off, attention backend triton/flashinfer,
+over every engine variant: CUDA graphs on/off (on: decode graphs and the prefills'
+piecewise graphs), attention backend triton/flashinfer,
 overlap (pipelined submit/flush) on/off. The harness is shunter.ops.gpu_parity.
 
 Tolerances (logit units; see shunter.ops.gpu_parity for the reasoning):

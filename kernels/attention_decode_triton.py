@@ -57,6 +57,7 @@ from shunter.kernels.attention_decode_merge_triton import (
     merge_partials,
     split_keys,
 )
+from shunter.kernels.page_layout import check_attention_operands
 from shunter.kernels.pdl import pdl_args, pdl_enter, use_pdl
 
 MIN_KEYS_PER_SPLIT = 256
@@ -289,10 +290,7 @@ def attention_decode_triton(
     token's k and v are rotated / stored here (the module docstring)."""
     bsz, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
-    assert q.stride(-1) == 1, "attention_decode_triton needs a contiguous dim axis"
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert k_cache.stride() == v_cache.stride() and k_cache.shape[2] == head_dim
-    assert num_heads % num_kv_heads == 0
+    check_attention_operands(q, k_cache, v_cache)
     idx = plan.kv_indices
     has_rows = plan.rows is not None
     assert idx.stride(-1) == 1 and idx.device == q.device

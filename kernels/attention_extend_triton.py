@@ -7,7 +7,10 @@ entry's keys 0 .. min(seq_len, prefix + end of block) - 1 (keys past the block's
 query are never read), gathering each block of BLOCK_N keys through the entry's row
 of a padded slot table, masks k_pos > q_pos (and keys outside the sliding window),
 and keeps an online softmax in float32. The new tokens' K/V were stored in the pool
-before the call, so the cached prefix and the new tokens are read the same way.
+before the call, so the cached prefix and the new tokens are read the same way. A step
+of a few new tokens per entry leaves most of the GPU idle here (one program per query
+head walking the whole prefix); `attention_extend_triton` hands those to the GQA-packed
+split-KV kernel of kernels/attention_extend_split_triton.py.
 
 Invariants: rows of q are the entries' new tokens concatenated in entry order;
 num_new[e] >= 1 and seq_len[e] >= num_new[e] (`plan_extend` checks); each query sees
@@ -24,7 +27,7 @@ import triton.language as tl
 
 from shunter.kernels.attention_decode_triton import INTERPRETED, fix_interpreter_loop_bounds
 from shunter.kernels.attention_extend import ExtendPlan
-from shunter.kernels.page_layout import to_device
+from shunter.kernels.page_layout import check_attention_operands, to_device
 
 if INTERPRETED:
     fix_interpreter_loop_bounds()
@@ -191,18 +194,27 @@ def attention_extend_triton(
     *,
     sliding_window: int | None = None,
     launch: tuple[int, int, int, int] | None = None,
+    split: bool | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] (this step's new tokens, already in the pool, so
     not read here); k_cache, v_cache: [num_slots, Hkv, D] -> [T, H, D].
-    launch: (BLOCK_M, BLOCK_N, num_warps, num_stages), else chosen by `extend_launch`."""
+    launch: (BLOCK_M, BLOCK_N, num_warps, num_stages), else chosen by `extend_launch`.
+    split: whether the GQA-packed split-KV kernel (attention_extend_split_triton.py)
+    runs instead; None: when no entry has more than its SPLIT_MAX_NEW_TOKENS new tokens
+    and no `launch` is given."""
     del k, v  # read back from the pool, where kv_store put them
+    from shunter.kernels import attention_extend_split_triton as short
+
+    meta = plan if isinstance(plan, ExtendMeta) else extend_meta(plan, q.device)
+    if split is None:
+        split = launch is None and meta.max_num_new <= short.SPLIT_MAX_NEW_TOKENS
+    if split:
+        return short.attention_extend_split_triton(
+            q, k_cache, v_cache, meta, scale, sliding_window=sliding_window
+        )
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
-    assert q.stride(-1) == 1, "attention_extend_triton needs a contiguous dim axis"
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert k_cache.stride() == v_cache.stride() and k_cache.shape[2] == head_dim
-    assert num_heads % num_kv_heads == 0
-    meta = plan if isinstance(plan, ExtendMeta) else extend_meta(plan, q.device)
+    check_attention_operands(q, k_cache, v_cache)
     out = torch.empty_like(q)
     num_entries = meta.table.shape[0]
     if num_tokens == 0 or num_entries == 0:

@@ -84,3 +84,13 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type != "cuda" or t.device.type == "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def check_attention_operands(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """What the Triton attention kernels assume of their operands: q [..., H, D] with a
+    contiguous dim axis; k_cache, v_cache [num_slots, Hkv, D], contiguous and alike; H a
+    multiple of Hkv."""
+    assert q.stride(-1) == 1, "attention needs q's dim axis contiguous"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.stride() == v_cache.stride() and k_cache.shape[2] == q.shape[-1]
+    assert q.shape[-2] % k_cache.shape[1] == 0

@@ -199,7 +199,11 @@ def _check_decode(
 
 
 def _check_extend(
-    copy_gbs: float, num_new: list[int], seq_lens: list[int], launch: tuple | None = None
+    copy_gbs: float,
+    num_new: list[int],
+    seq_lens: list[int],
+    launch: tuple | None = None,
+    split: bool | None = None,
 ) -> dict:
     scale = HEAD_DIM**-0.5
     tables, num_slots = _paged_tables(seq_lens, 16)
@@ -209,21 +213,22 @@ def _check_extend(
     meta = extend_meta(plan, DEV)
     new_slots = torch.cat([t[s - n :] for t, n, s in zip(tables, num_new, seq_lens, strict=True)])
     kn, vn = kc[new_slots], vc[new_slots]  # the new tokens' K/V, for the torch path
-    out = attention_extend_triton(q, None, None, kc, vc, meta, scale, launch=launch)
+    out = attention_extend_triton(q, None, None, kc, vc, meta, scale, launch=launch, split=split)
     n0, s0 = num_new[0], seq_lens[0]
     rows = torch.arange(0, n0, 97, device=DEV)  # float64 reference on every 97th row
     err = rel_err(out[rows], _sdpa64(q[rows], kc, vc, tables[0], s0 - n0 + rows, scale))
     pairs = sum(n * (s - n) + n * (n + 1) / 2 for n, s in zip(num_new, seq_lens, strict=True))
     nbytes = q.numel() * 4 + sum(seq_lens) * 2 * NUM_KV * HEAD_DIM * 2
     name = "extend page16" + (" M{}/N{}/w{}/s{}".format(*launch) if launch else "")
+    name += {None: "", True: " split", False: " per-head"}[split]
     t_torch = (
         bench_ms(lambda: attention_extend_torch(q, kn, vn, kc, vc, plan, scale), 10)
-        if not launch
+        if not launch and split is None
         else 0
     )
     return _row(name, f"{len(num_new)}x new{n0} seq{s0}", err, TOL_ATTENTION, nbytes,
                 bench_ms(lambda: attention_extend_triton(q, None, None, kc, vc, meta, scale,
-                                                         launch=launch), 20),
+                                                         launch=launch, split=split), 20),
                 t_torch, copy_gbs, flops=4 * NUM_HEADS * HEAD_DIM * pairs)  # fmt: skip
 
 
@@ -234,6 +239,9 @@ def kernel_checks(copy_gbs: float, quick: bool) -> list[dict]:
         rows.append(_check_decode(copy_gbs, bsz, length, page))
     rows.append(_check_extend(copy_gbs, [4096] * 4, [4096] * 4))
     rows.append(_check_extend(copy_gbs, [512] * 4, [16384] * 4))
+    for split in (False, True):  # a short extend over a long prefix: both kernels
+        rows.append(_check_extend(copy_gbs, [32], [2080], split=split))
+        rows.append(_check_extend(copy_gbs, [64] * 4, [4160] * 4, split=split))
     return rows
 
 

@@ -142,15 +142,19 @@ def attention_decode(
     v_cache: torch.Tensor,
     plan: DecodePlan,
     scale: float,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [B, H, D]; k_cache, v_cache: [num_slots, Hkv, D] -> [B, H, D]."""
+    """q: [B, H, D]; k_cache, v_cache: [num_slots, Hkv, D] -> [B, H, D], written into
+    `out` ([B, H, D], last axis contiguous) when given."""
     if q.is_cuda:
         from shunter.kernels.attention_decode_triton import attention_decode_triton
 
         return attention_decode_triton(
-            q, k_cache, v_cache, plan, scale, sliding_window=plan.sliding_window
+            q, k_cache, v_cache, plan, scale, sliding_window=plan.sliding_window, out=out
         )
-    return attention_decode_torch(q, k_cache, v_cache, plan, scale)
+    o = attention_decode_torch(q, k_cache, v_cache, plan, scale)
+    return o if out is None else out.copy_(o)
 
 
 def attention_decode_rope_store(

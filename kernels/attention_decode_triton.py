@@ -57,7 +57,7 @@ from shunter.kernels.attention_decode_merge_triton import (
     merge_partials,
     split_keys,
 )
-from shunter.kernels.page_layout import check_attention_operands
+from shunter.kernels.page_layout import check_attention_operands, new_output
 from shunter.kernels.pdl import pdl_args, pdl_enter, use_pdl
 
 MIN_KEYS_PER_SPLIT = 256
@@ -282,12 +282,14 @@ def attention_decode_triton(
     num_splits: int | None = None,
     merge_in_split: bool | None = None,
     rope_store: RopeStore | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [B, H, D]; k_cache, v_cache: [num_slots, Hkv, D] -> [B, H, D].
     `plan` from `plan_decode` (its kv_indices and kv_lens on q's device); its mask is
     not read: padding is cut by kv_lens and the window by `sliding_window`.
     merge_in_split: None takes MERGE_IN_SPLIT. rope_store: q is unrotated, and the new
-    token's k and v are rotated / stored here (the module docstring)."""
+    token's k and v are rotated / stored here (the module docstring). out: [B, H, D]
+    (last axis contiguous) to write into, else a new tensor."""
     bsz, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     check_attention_operands(q, k_cache, v_cache)
@@ -298,7 +300,7 @@ def attention_decode_triton(
         assert plan.rows.shape[0] == bsz and plan.max_len is not None
     else:
         assert idx.shape[0] == bsz
-    out = torch.empty_like(q)
+    out = new_output(q, out)
     if bsz == 0:
         return out
     group = num_heads // num_kv_heads

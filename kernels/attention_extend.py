@@ -114,17 +114,21 @@ def attention_extend(
     v_cache: torch.Tensor,
     plan: ExtendPlan,
     scale: float,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] (this step's new tokens, already in the pool);
-    k_cache, v_cache: [num_slots, Hkv, D] -> [T, H, D]."""
+    k_cache, v_cache: [num_slots, Hkv, D] -> [T, H, D], written into `out` ([T, H, D],
+    last axis contiguous) when given."""
     if q.is_cuda:
         from shunter.kernels.attention_extend_triton import attention_extend_triton
 
         meta = plan.device_meta if plan.device_meta is not None else plan
         return attention_extend_triton(
-            q, k, v, k_cache, v_cache, meta, scale, sliding_window=plan.sliding_window
+            q, k, v, k_cache, v_cache, meta, scale, sliding_window=plan.sliding_window, out=out
         )
-    return attention_extend_torch(q, k, v, k_cache, v_cache, plan, scale)
+    o = attention_extend_torch(q, k, v, k_cache, v_cache, plan, scale)
+    return o if out is None else out.copy_(o)
 
 
 def attention_extend_torch(

@@ -39,7 +39,7 @@ from shunter.kernels.attention_decode_triton import (
     fix_interpreter_loop_bounds,
 )
 from shunter.kernels.attention_extend_triton import ExtendMeta, _attend
-from shunter.kernels.page_layout import check_attention_operands
+from shunter.kernels.page_layout import check_attention_operands, new_output
 
 if INTERPRETED:
     fix_interpreter_loop_bounds()
@@ -206,13 +206,15 @@ def attention_extend_split_triton(
     *,
     sliding_window: int | None = None,
     num_splits: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D]; k_cache, v_cache: [num_slots, Hkv, D] (the new tokens' K/V already
-    stored) -> [T, H, D]. num_splits: splits of each block's keys, else chosen here."""
+    stored) -> [T, H, D] (into `out` when given). num_splits: splits of each block's
+    keys, else chosen here."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     check_attention_operands(q, k_cache, v_cache)
-    out = torch.empty_like(q)
+    out = new_output(q, out)
     num_entries = meta.table.shape[0]
     if num_tokens == 0 or num_entries == 0:
         return out

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from shunter.kernels.attention_decode_triton import INTERPRETED, fix_interpreter_loop_bounds
 from shunter.kernels.attention_extend import ExtendPlan
-from shunter.kernels.page_layout import check_attention_operands, to_device
+from shunter.kernels.page_layout import check_attention_operands, new_output, to_device
 
 if INTERPRETED:
     fix_interpreter_loop_bounds()
@@ -195,13 +195,15 @@ def attention_extend_triton(
     sliding_window: int | None = None,
     launch: tuple[int, int, int, int] | None = None,
     split: bool | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] (this step's new tokens, already in the pool, so
     not read here); k_cache, v_cache: [num_slots, Hkv, D] -> [T, H, D].
     launch: (BLOCK_M, BLOCK_N, num_warps, num_stages), else chosen by `extend_launch`.
     split: whether the GQA-packed split-KV kernel (attention_extend_split_triton.py)
     runs instead; None: when no entry has more than its SPLIT_MAX_NEW_TOKENS new tokens
-    and no `launch` is given."""
+    and no `launch` is given. out: [T, H, D] (last axis contiguous) to write into, else
+    a new tensor."""
     del k, v  # read back from the pool, where kv_store put them
     from shunter.kernels import attention_extend_split_triton as short
 
@@ -210,12 +212,12 @@ def attention_extend_triton(
         split = launch is None and meta.max_num_new <= short.SPLIT_MAX_NEW_TOKENS
     if split:
         return short.attention_extend_split_triton(
-            q, k_cache, v_cache, meta, scale, sliding_window=sliding_window
+            q, k_cache, v_cache, meta, scale, sliding_window=sliding_window, out=out
         )
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     check_attention_operands(q, k_cache, v_cache)
-    out = torch.empty_like(q)
+    out = new_output(q, out)
     num_entries = meta.table.shape[0]
     if num_tokens == 0 or num_entries == 0:
         return out

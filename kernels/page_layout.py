@@ -94,3 +94,12 @@ def check_attention_operands(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert k_cache.stride() == v_cache.stride() and k_cache.shape[2] == q.shape[-1]
     assert q.shape[-2] % k_cache.shape[1] == 0
+
+
+def new_output(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """Where an attention kernel writes its [..., H, D] result: `out` (checked to have
+    q's shape and dtype and a contiguous last axis), else a new tensor like q."""
+    if out is None:
+        return torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
+    return out

@@ -134,8 +134,8 @@ class PiecewiseGraphs:
         q = qkv[:, : c.q_size].view(n, c.num_heads, c.head_dim)
         k = qkv[:, c.q_size : c.q_size + c.kv_size].view(n, c.num_kv_heads, c.head_dim)
         v = qkv[:, c.q_size + c.kv_size :].view(n, c.num_kv_heads, c.head_dim)
-        o = self.runner.model.model.layers[i].self_attn.attend(ctx, q, k, v, self._stores())
-        self._attn[:n].copy_(o.reshape(n, c.q_size))
+        out = self._attn[:n].view(n, c.num_heads, c.head_dim)
+        self.runner.model.model.layers[i].self_attn.attend(ctx, q, k, v, self._stores(), out)
 
     # ---- capture --------------------------------------------------------------------
 

@@ -44,8 +44,11 @@ class AttentionContext:
     out_slots: torch.Tensor  # [num_tokens] int64
     decode_plan: DecodePlan | None
     extend_plan: ExtendPlan | None
-    decode_rows: torch.Tensor | None  # [num_decode] int64 token rows, None if all or none
-    extend_rows: torch.Tensor | None  # [num_extend_tokens] int64, None if all or none
+    # the decode and extend entries' token rows: slices when each kind is one run of
+    # entries (the scheduler puts decodes after the prefill pieces), else [num] int64
+    # indices; None if all or none
+    decode_rows: torch.Tensor | slice | None
+    extend_rows: torch.Tensor | slice | None
     # a planned flashinfer attention (kernels/attention_flashinfer.py) and which of its
     # wrappers runs: "decode", "prefill" (no cached prefix) or "extend"
     flashinfer: Any = None
@@ -114,7 +117,13 @@ def build_attention_context(
             device=device,
             sliding_window=sliding_window,
         )
-    if dec and ext:
+    if dec and ext and _one_run(dec) and _one_run(ext):  # two runs of rows: slices
+        num_dec, num_ext = len(dec), sum(num_new_tokens[i] for i in ext)
+        if dec[0] == 0:
+            decode_rows, extend_rows = slice(0, num_dec), slice(num_dec, num_dec + num_ext)
+        else:
+            extend_rows, decode_rows = slice(0, num_ext), slice(num_ext, num_ext + num_dec)
+    elif dec and ext:
         starts = [0]
         for n in num_new_tokens:
             starts.append(starts[-1] + n)
@@ -128,6 +137,11 @@ def build_attention_context(
     )
 
 
+def _one_run(indices: list[int]) -> bool:
+    """Whether sorted entry indices are consecutive."""
+    return indices[-1] - indices[0] == len(indices) - 1
+
+
 def paged_attention(
     ctx: AttentionContext,
     layer_idx: int,
@@ -136,24 +150,33 @@ def paged_attention(
     v: torch.Tensor,
     scale: float,
     stored: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H, D]. Stores k, v first unless the
-    caller has (`stored`: kernels/rope_kv_store.py)."""
+    """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H, D], written into `out` ([T, H, D],
+    last axis contiguous) when given. Stores k, v first unless the caller has (`stored`:
+    kernels/rope_kv_store.py)."""
     kc, vc = ctx.k_buffers[layer_idx], ctx.v_buffers[layer_idx]
     if not stored:
         kv_store(kc, vc, ctx.out_slots, k, v)
     if ctx.flashinfer is not None:
         if ctx.flashinfer_mode == "decode":
-            return ctx.flashinfer.decode(q, kc, vc, scale)
-        if ctx.flashinfer_mode == "prefill":
-            return ctx.flashinfer.prefill(q, k, v, scale)
-        return ctx.flashinfer.extend(q, kc, vc, scale)
+            o = ctx.flashinfer.decode(q, kc, vc, scale)
+        elif ctx.flashinfer_mode == "prefill":
+            o = ctx.flashinfer.prefill(q, k, v, scale)
+        else:
+            o = ctx.flashinfer.extend(q, kc, vc, scale)
+        return o if out is None else out.copy_(o)
     if ctx.extend_plan is None:
-        return attention_decode(q, kc, vc, ctx.decode_plan, scale)
+        return attention_decode(q, kc, vc, ctx.decode_plan, scale, out=out)
     if ctx.decode_plan is None:
-        return attention_extend(q, k, v, kc, vc, ctx.extend_plan, scale)
-    out = torch.empty_like(q)
+        return attention_extend(q, k, v, kc, vc, ctx.extend_plan, scale, out=out)
+    if out is None:
+        out = torch.empty_like(q)
     dr, er = ctx.decode_rows, ctx.extend_rows
+    if isinstance(dr, slice):  # views of q and out: no gather, no scatter
+        attention_decode(q[dr], kc, vc, ctx.decode_plan, scale, out=out[dr])
+        attention_extend(q[er], k[er], v[er], kc, vc, ctx.extend_plan, scale, out=out[er])
+        return out
     out[dr] = attention_decode(q[dr], kc, vc, ctx.decode_plan, scale)
     out[er] = attention_extend(q[er], k[er], v[er], kc, vc, ctx.extend_plan, scale)
     return out

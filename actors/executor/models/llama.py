@@ -122,9 +122,10 @@ class LlamaAttention(nn.Module):
         return qk[:, : self.num_heads], qk[:, self.num_heads :], v, True
 
     def attend(self, ctx: AttentionContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               stored: bool) -> torch.Tensor:  # fmt: skip
-        """[T, H, D] attention over the pool (k, v stored first unless `stored`)."""
-        return paged_attention(ctx, self.layer_idx, q, k, v, self.scale, stored=stored)
+               stored: bool, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """[T, H, D] attention over the pool (k, v stored first unless `stored`), into
+        `out` when given."""
+        return paged_attention(ctx, self.layer_idx, q, k, v, self.scale, stored=stored, out=out)
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """The output projection of the attention's [T, H, D] (or [T, H * D]) result."""

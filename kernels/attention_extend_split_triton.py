@@ -16,7 +16,7 @@ split keeps an online softmax over its keys (the masks and the update are
 attention_extend_triton's `_attend`) and writes its rows' normalized float32 output
 and log-sum-exp; a split with no keys for a row writes output 0 and lse -inf. The
 merge kernel (one program per token and query head) weighs the splits by
-exp(lse - max). With one split the first kernel writes the output itself and there is
+exp(lse - max), MERGE_SPLITS of them at a time. With one split the first kernel writes the output itself and there is
 no merge. The number of splits is chosen on the host (the step's longest entry, no
 device sync), as the decode kernel chooses it (`choose_num_splits`).
 
@@ -47,9 +47,11 @@ if INTERPRETED:
 # Steps whose entries have at most this many new tokens take this kernel (measured on
 # an H200, BENCHMARKS.md "Short extends: GQA-packed split-KV attention")
 SPLIT_MAX_NEW_TOKENS = 64
+# Splits the merge reads at a time (a fixed block: one build of the merge kernel)
+MERGE_SPLITS = 16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _extend_split_kernel(
     q_ptr,
     k_ptr,
@@ -153,7 +155,7 @@ def _extend_split_kernel(
         tl.store(mid_lse_ptr + mid, lse, mask=rm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _extend_merge_kernel(
     mid_o_ptr,
     mid_lse_ptr,
@@ -168,15 +170,25 @@ def _extend_merge_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    row = (t * num_heads + h) * num_splits + sp  # [S]
-    lse = tl.load(mid_lse_ptr + row, mask=sp < num_splits, other=float("-inf"))
-    has = lse > float("-inf")
-    m = tl.max(lse, 0)
-    w = tl.where(has, tl.exp(lse - m), 0.0)  # splits with no keys for the row weigh 0
-    o = tl.load(mid_o_ptr + row[:, None] * BLOCK_D + d[None, :], mask=has[:, None], other=0.0)
-    o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    row0 = (t * num_heads + h) * num_splits
+    m = tl.full([1], float("-inf"), tl.float32)
+    den = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):  # BLOCK_S splits at a time, rescaled as they come
+        sp = s0 + tl.arange(0, BLOCK_S)
+        lse = tl.load(mid_lse_ptr + row0 + sp, mask=sp < num_splits, other=float("-inf"))
+        has = lse > float("-inf")  # splits with no keys for the row weigh 0
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.where(has, tl.exp(lse - m_safe), 0.0)
+        o = tl.load(mid_o_ptr + (row0 + sp)[:, None] * BLOCK_D + d[None, :], mask=has[:, None],
+                    other=0.0)  # fmt: skip
+        alpha = tl.exp(m - m_safe)
+        acc = acc * alpha + tl.sum(o * w[:, None], 0)
+        den = den * alpha + tl.sum(w, 0)
+        m = m_new
+    o = acc / den
     tl.store(
         out_ptr + t * out_tok_stride + h * out_head_stride + d,
         o.to(out_ptr.dtype.element_ty),
@@ -184,16 +196,15 @@ def _extend_merge_kernel(
     )
 
 
-def split_launch(
-    max_num_new: int, group: int, block_d: int, elem_bytes: int
-) -> tuple[int, int, int]:
+def split_launch(group: int, block_d: int, elem_bytes: int) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_G, num_warps): the group's heads padded to a power of two, and as
     many new tokens beside them as fill 128 rows (64 for float32 pools or heads over
-    128, whose tiles would not fit shared memory), at least 16 rows for the dot."""
+    128, whose tiles would not fit shared memory), at least 16 rows for the dot. Not by
+    the step's length: a short step pads its block (the kernel waits on memory, not the
+    dot), and one shape per model is one build of the kernel, at warm-up."""
     block_g = triton.next_power_of_2(group)
     rows = 64 if elem_bytes > 2 or block_d > 128 else 128
-    block_t = min(triton.next_power_of_2(max_num_new), max(rows // block_g, 1))
-    block_t = max(block_t, triton.cdiv(16, block_g))
+    block_t = max(rows // block_g, triton.cdiv(16, block_g), 1)
     return block_t, block_g, 8 if block_t * block_g >= 128 else 4
 
 
@@ -220,9 +231,7 @@ def attention_extend_split_triton(
         return out
     group = num_heads // num_kv_heads
     block_d = max(triton.next_power_of_2(head_dim), 16)
-    block_t, block_g, num_warps = split_launch(
-        meta.max_num_new, group, block_d, k_cache.element_size()
-    )
+    block_t, block_g, num_warps = split_launch(group, block_d, k_cache.element_size())
     num_blocks = triton.cdiv(meta.max_num_new, block_t)
     max_len = meta.table.shape[1]  # the longest entry's seq_len
     block_n = 64
@@ -284,7 +293,7 @@ def attention_extend_split_triton(
             num_heads,
             num_splits,
             head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_S=MERGE_SPLITS,
             BLOCK_D=block_d,
         )
     return out

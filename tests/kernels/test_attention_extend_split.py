@@ -45,10 +45,12 @@ def _run(num_heads, num_kv, head_dim, num_new, seq_lens, page_size, dtype, *, sp
     ("num_heads", "num_kv", "head_dim", "num_new", "seq_lens", "splits"),
     [
         (8, 2, 32, [5], [200], 3),  # one entry, a long prefix split three ways
-        (6, 2, 16, [3, 1, 9], [70, 130, 9], 4),  # group of 3 (padded to 4); no prefix
+        # group of 3 (padded to 4); no prefix; 3 splits of 64 keys, so the 9-key entry's
+        # second and third splits are empty and merge with weight 0
+        (6, 2, 16, [3, 1, 9], [70, 130, 9], 4),
         (4, 4, 8, [20, 2], [150, 40], 1),  # MHA, one split: the output written directly
-        (8, 1, 32, [17], [90], 7),  # group of 8: token blocks of 16 x 8 heads, then 1 x 8
-        (4, 2, 16, [2], [2], 5),  # more splits than keys: empty splits merge as weight 0
+        (8, 1, 32, [17], [90], 7),  # group of 8: several blocks of tokens
+        (4, 2, 16, [3], [1200], 40),  # 19 splits: the merge reads them 16 at a time
     ],
 )
 def test_split_extend_matches_sdpa(dtype, page_size, num_heads, num_kv, head_dim, num_new,
@@ -89,12 +91,12 @@ def test_short_extends_dispatch_to_the_split_kernel():
 
 
 def test_split_launch_packs_the_group_into_at_most_128_rows():
-    assert split_launch(32, 4, 128, 2) == (32, 4, 8)  # the 8B step: 32 tokens x 4 heads
-    assert split_launch(3, 4, 128, 2) == (4, 4, 4)  # at least 16 rows for the dot
-    assert split_launch(64, 4, 128, 4) == (16, 4, 4)  # float32: 64 rows
-    assert split_launch(64, 3, 64, 2) == (32, 4, 8)  # group of 3 padded to 4
-    assert split_launch(5, 1, 64, 2) == (16, 1, 4)
-    assert split_launch(64, 32, 128, 2) == (4, 32, 8)
+    assert split_launch(4, 128, 2) == (32, 4, 8)  # the 8B step: 32 tokens x 4 heads
+    assert split_launch(4, 128, 4) == (16, 4, 4)  # float32: 64 rows
+    assert split_launch(3, 64, 2) == (32, 4, 8)  # group of 3 padded to 4
+    assert split_launch(1, 64, 2) == (128, 1, 8)
+    assert split_launch(32, 128, 2) == (4, 32, 8)
+    assert split_launch(64, 256, 2) == (1, 64, 4)  # 64 rows: one token, its 64 heads
 
 
 @gpu

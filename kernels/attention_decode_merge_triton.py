@@ -65,7 +65,7 @@ def merge_partials(mid_o_ptr, mid_lse_ptr, row0, lo, hi, gm, d, dm,
     return acc / tl.where(gm, den, 1.0)[:, None]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def decode_merge_kernel(
     mid_o_ptr,
     mid_lse_ptr,

@@ -95,7 +95,7 @@ if INTERPRETED:
     fix_interpreter_loop_bounds()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -271,6 +271,14 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, num_sms: int)
     return max(1, min(want, triton.cdiv(max_len, MIN_KEYS_PER_SPLIT)))
 
 
+def merge_width(num_splits: int, num_kv_heads: int, device: torch.device) -> int:
+    """The merge's block of splits: wide enough for the most splits any launch on this
+    device and model is given (or `num_splits`, if more), so that it is one build of the
+    merge kernel, not one per power of two a step's lengths lead to."""
+    most = choose_num_splits(1, num_kv_heads, 1 << 30, _num_sms(device))
+    return triton.next_power_of_2(max(num_splits, most))
+
+
 def attention_decode_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -387,7 +395,7 @@ def attention_decode_triton(
             sliding_window or 0,
             HAS_WINDOW=sliding_window is not None,
             BLOCK_N=block_n,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_S=merge_width(num_splits, num_kv_heads, q.device),
             BLOCK_D=block_d,
             **pdl_args(pdl),
         )

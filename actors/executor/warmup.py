@@ -8,6 +8,15 @@ some entry attends cached KV (a chunk after the first, a cached prefix, or a pre
 in the same step as a decode), "decode" when every entry computes one token. A
 server that said ready before building them stalls the first request that needs one,
 for as long as the build takes: the first mixed step of a lightly loaded server.
+The Triton kernels are built per shape class too (kernels/attention_*_triton.py): the
+extend kernels by the step's new tokens per entry (at most SPLIT_MAX_NEW_TOKENS: the
+GQA-packed split kernel, one split or several with their merge; more: the per-head
+kernel), the decode kernel with one split or several (an entry past
+MIN_KEYS_PER_SPLIT keys) and with the rope and store inside it or not (all-decode
+steps, or decode entries beside extends). Each build takes a second or more, and a
+build in a request holds every request in the engine for as long. So row 0's prompt is
+LONG tokens: past both bounds, where the pool and the context allow.
+
 `warmup_batches` is the script that takes every path once through the real core,
 on two rows and the first pages of the pool; `warm_up` runs it, closes the rows and
 zeroes the core's counters. Decode batches wider than the captured graphs take
@@ -26,24 +35,30 @@ from shunter.actors.executor.core_plan import Geometry
 from shunter.bus.messages import LAST_SAMPLED, ForwardBatch, RowOpen, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=1 << 20)
-PROMPT = 16  # tokens of each warm-up prompt
+# Row 0's prompt where room allows: more new tokens than the split extend kernel takes
+# (64) and more keys than one split holds (256), so its decodes and extends take the
+# kernels' split paths (the module docstring)
+LONG = 320
+PROMPT = 16  # tokens of row 1's prompt, and the least row 0's may be
 EXTEND = 4  # tokens of the extend over a row's cached KV
 
 
 def warmup_batches(g: Geometry) -> list[ForwardBatch]:
     """The warm-up steps (the last one only closes the rows), or [] when the pool or the
-    context is too small for them: 1. row 0's prompt (prefill); 2. row 0 decodes
-    while row 1's prompt runs (extend, mixed); 3. row 0 extends by EXTEND tokens, its
-    sample first (extend); 4. rows 0 and 1 decode (decode). With one row, step 2 is
-    row 0's decode alone."""
+    context is too small for them: 1. row 0's prompt of up to LONG tokens (prefill);
+    2. row 1's prompt runs while row 0 decodes (extend, mixed); 3. row 0 extends by
+    EXTEND tokens, its sample first, while row 1 decodes (extend, mixed); 4. rows 0 and
+    1 decode (decode). The prefill pieces come before the decodes, as the scheduler
+    orders them. With one row, steps 2 and 3 are row 0's decode and extend alone."""
     ps = g.page_size
     two = g.max_num_rows >= 2
-    row0_len = PROMPT + 2 + EXTEND  # prompt, its sample, an extend, a decode input
-    pages0 = -(-row0_len // ps)
-    pages1 = -(-(PROMPT + 1) // ps) if two else 0
-    if row0_len > g.max_context_len or pages0 + pages1 > g.num_pages:
+    pages1 = -(-(PROMPT + 2) // ps) if two else 0  # prompt, two decode inputs
+    # row 0: prompt, its sample, an extend, a decode input
+    room = min((g.num_pages - pages1) * ps, g.max_context_len) - 2 - EXTEND
+    prompt0 = min(LONG, room)
+    if prompt0 < PROMPT:
         return []
-    ids = [1 + i % (g.vocab_size - 1) for i in range(PROMPT + EXTEND - 1)]
+    ids = [1 + i % (g.vocab_size - 1) for i in range(prompt0 + EXTEND - 1)]
     free = iter(range(g.num_pages))
     lens = {0: 0, 1: 0}  # tokens each row holds so far
 
@@ -67,12 +82,14 @@ def warmup_batches(g: Geometry) -> list[ForwardBatch]:
     def open_(row: int) -> RowOpen:
         return RowOpen(row, f"warmup-{row}", [], 0, GREEDY, 0)
 
-    out = [batch(0, [open_(0)], [(0, ids[:PROMPT])])]
+    extend0 = (0, [LAST_SAMPLED, *ids[prompt0:]])
+    out = [batch(0, [open_(0)], [(0, ids[:prompt0])])]
     if two:
-        out.append(batch(1, [open_(1)], [(0, [LAST_SAMPLED]), (1, ids[:PROMPT])]))
+        out.append(batch(1, [open_(1)], [(1, ids[:PROMPT]), (0, [LAST_SAMPLED])]))
+        out.append(batch(2, [], [extend0, (1, [LAST_SAMPLED])]))
     else:
         out.append(batch(1, [], [(0, [LAST_SAMPLED])]))
-    out.append(batch(2, [], [(0, [LAST_SAMPLED, *ids[PROMPT:]])]))
+        out.append(batch(2, [], [extend0]))
     out.append(batch(3, [], [(0, [LAST_SAMPLED])] + ([(1, [LAST_SAMPLED])] if two else [])))
     out.append(ForwardBatch(step_id=4, closes=[0, 1] if two else [0]))
     return out

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shunter.actors.executor.core_plan import Geometry
-from shunter.actors.executor.warmup import warmup_batches
+from shunter.actors.executor.warmup import EXTEND, LONG, PROMPT, warmup_batches
 from shunter.bus.messages import LAST_SAMPLED
 
 
@@ -35,9 +35,15 @@ def _modes(batches) -> list[str]:
 def test_steps_take_every_attention_path_on_distinct_pages(page_size):
     bs = warmup_batches(Geometry(page_size, 1000, 256, 4096, 8, ()))
     assert _modes(bs) == ["prefill", "extend", "extend", "decode"]
-    mixed = bs[1]  # a decode beside a fresh prompt: what a lightly loaded server runs
-    assert mixed.num_new_tokens[0] == 1 and mixed.input_ids[0] == LAST_SAMPLED
-    assert mixed.start_pos[1] == 0 and mixed.num_new_tokens[1] > 1
+    # row 0's prompt past the split kernels' bounds: more than 64 new tokens, more
+    # than 256 keys for its decodes and its extend
+    assert bs[0].num_new_tokens == [LONG] and LONG > 256
+    mixed = bs[1]  # a fresh prompt beside a decode: what a lightly loaded server runs
+    assert mixed.rows == [1, 0] and mixed.num_new_tokens == [PROMPT, 1]
+    assert mixed.start_pos == [0, LONG] and mixed.input_ids[-1] == LAST_SAMPLED
+    # row 0's extend over its long prefix beside row 1's short decode
+    assert bs[2].rows == [0, 1] and bs[2].num_new_tokens == [EXTEND, 1]
+    assert bs[2].start_pos == [LONG + 1, PROMPT]
     pages = [p for b in bs for p in b.new_pages]
     assert len(pages) == len(set(pages)) and max(pages) < 1000
     assert [len(b.opens) for b in bs] == [1, 1, 0, 0, 0]
@@ -50,6 +56,9 @@ def test_one_row_and_too_small_pools_or_contexts():
     one = warmup_batches(Geometry(16, 1000, 256, 4096, 1, ()))
     assert _modes(one) == ["prefill", "decode", "extend", "decode"]
     assert one[-1].closes == [0] and all(r == 0 for b in one for r in b.rows)
+    # a pool or a context short of LONG: row 0's prompt takes what there is
+    assert warmup_batches(Geometry(16, 8, 256, 4096, 8, ()))[0].num_new_tokens == [90]
+    assert warmup_batches(Geometry(1, 1000, 256, 100, 8, ()))[0].num_new_tokens == [94]
     # fewer pages than its tokens; a context shorter than its prompt
     assert warmup_batches(Geometry(1, 10, 256, 4096, 8, ())) == []
     assert warmup_batches(Geometry(16, 1000, 256, 8, 8, ())) == []

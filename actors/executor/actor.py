@@ -127,6 +127,7 @@ def ready_info(core: ExecutorCore) -> dict[str, int | float | str]:
         "num_host_pages": core.host_pool.num_pages if core.host_pool is not None else 0,
         "store_block_tokens": core.file_store.block_tokens if core.file_store else 0,
         "store_path": str(core.file_store.path) if core.file_store else "",
+        "store_max_blocks": core.file_store.max_blocks if core.file_store else 0,
     }
 
 

@@ -20,10 +20,12 @@ def file_name(key: int) -> str:
     return f"{key & (_U64 - 1):016x}.kv"
 
 
-def list_keys(path: str | os.PathLike, size: int | None = None) -> list[int]:
+def list_keys(path: str | os.PathLike, size: int | None = None,
+              oldest_first: bool = False) -> list[int]:  # fmt: skip
     """The keys of the block files in directory `path` (of `size` bytes, if given),
-    sorted; no directory: none."""
-    keys = []
+    sorted, or with `oldest_first` by modification time (a file's is when it was
+    written or last read, file_store.py), then key; no directory: none."""
+    found: list[tuple[int, int]] = []  # (mtime ns, key)
     try:
         it = os.scandir(path)
     except FileNotFoundError:
@@ -32,8 +34,10 @@ def list_keys(path: str | os.PathLike, size: int | None = None) -> list[int]:
         for entry in it:
             if not BLOCK_FILE.fullmatch(entry.name) or not entry.is_file():
                 continue
-            if size is not None and entry.stat().st_size != size:
+            st = entry.stat() if size is not None or oldest_first else None
+            if size is not None and st.st_size != size:  # type: ignore[union-attr]
                 continue
             key = int(entry.name[:16], 16)
-            keys.append(key - _U64 if key >= _U64 // 2 else key)
-    return sorted(keys)
+            mtime = st.st_mtime_ns if oldest_first else 0  # type: ignore[union-attr]
+            found.append((mtime, key - _U64 if key >= _U64 // 2 else key))
+    return [key for _, key in sorted(found)]

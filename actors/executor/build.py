@@ -201,7 +201,8 @@ def build_core(config: ExecutorConfig) -> ExecutorCore:
     if host_pool is not None and config.hicache_storage_dir:
         block_pages = -(-STORE_BLOCK_TOKENS // pool.page_size)
         file_store = FileStore(config.hicache_storage_dir, host_pool, block_pages,
-                               store_fingerprint(config, mcfg, pool, block_pages))  # fmt: skip
+                               store_fingerprint(config, mcfg, pool, block_pages),
+                               max_bytes=int(config.hicache_storage_max_size * 1e9))  # fmt: skip
     t1 = time.perf_counter()
     runner = ModelRunner(
         model,

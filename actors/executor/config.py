@@ -93,6 +93,9 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
     hicache_storage_dir: str = ""
     """With the host tier: a directory for the file store below it (file_store.py),
     which StorePages and FetchPages write and read; "": none."""
+    hicache_storage_max_size: float = 0.0
+    """GB (1e9 bytes) of block files the file store may hold (the cache manager evicts
+    to stay under it); 0: no cap."""
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -128,6 +131,9 @@ class ExecutorConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if not self.hicache_storage_max_size >= 0:
+            raise ValueError("hicache_storage_max_size must be >= 0 GB (0: no cap), got "
+                             f"{self.hicache_storage_max_size}")  # fmt: skip
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:

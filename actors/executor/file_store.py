@@ -20,6 +20,13 @@ block's file is `<key as unsigned 64-bit hex>.kv` (block_files.py):
     K: [num_layers, block_tokens, num_kv_heads, head_dim] of dtype, raw bytes
     V: the same
 
+The store may be given a size cap (`max_bytes`, --hicache-storage-max-size): it is
+`max_blocks` whole block files, which the cache manager keeps it under by evicting the
+least recently used blocks through `erase` (actors/cache_manager/store_tier.py); the
+store itself only says how many fit. A fetch sets each file's modification time to now,
+so a file's time is when it was last written or read, and a later run's listing (oldest
+first, block_files.py) is in the order of last use.
+
 One worker thread does all the file work, in submission order: the executor core never
 waits on a disk, and a fetch queued after a write of the same key finds its file. The
 host pages a call names stay put until its future is done (the cache manager answers
@@ -35,6 +42,7 @@ rewritten (same key, same content). A refused call (ValueError) queues nothing.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import os
@@ -58,9 +66,11 @@ class FileStore:
     """Block files under `root` for `pool`'s layout; see the module docstring."""
 
     def __init__(self, root: str | os.PathLike, pool: HostKVPool, block_pages: int,
-                 fingerprint: str) -> None:  # fmt: skip
+                 fingerprint: str, max_bytes: int = 0) -> None:  # fmt: skip
         if block_pages < 1:
             raise ValueError(f"block_pages must be >= 1, got {block_pages}")
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0 (0: no cap), got {max_bytes}")
         self.pool = pool
         self.block_pages = block_pages
         self.block_tokens = block_pages * pool.page_size
@@ -71,6 +81,10 @@ class FileStore:
         self._shape = (pool.num_layers, self.block_tokens, num_kv_heads, head_dim)
         block_bytes = self.block_tokens * pool.num_layers * pool.k_all[0, :1].nbytes
         self._file_bytes = _HEADER.size + 2 * block_bytes  # header, K, V
+        self.max_blocks = max_bytes // self._file_bytes  # 0: no cap (max_bytes 0)
+        if max_bytes and not self.max_blocks:
+            raise ValueError(f"a file store of at most {max_bytes / 1e9:g} GB holds no block "
+                             f"(a block's file is {self._file_bytes} bytes)")  # fmt: skip
         digest = hashlib.blake2b(fingerprint.encode(), digest_size=8).hexdigest()
         self.path = pathlib.Path(root) / digest
         self.path.mkdir(parents=True, exist_ok=True)
@@ -176,6 +190,8 @@ class FileStore:
             tail = first * self.pool.page_size
             self.pool.k_all.index_copy_(1, slots, k[:, tail:])
             self.pool.v_all.index_copy_(1, slots, v[:, tail:])
+            with contextlib.suppress(OSError):  # (a read-only store still reads)
+                os.utime(self.path / block_files.file_name(key))  # last used: now
 
     def _read(self, key: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of block `key` ([L, block_tokens, H, D] each), checked whole."""

@@ -329,6 +329,7 @@ def test_core_file_store_round_trip_decodes_as_before(config, tmp_path):
     assert fs is not None and fs.block_tokens == 64 and fs.path.parent == tmp_path
     info = ready_info(core)
     assert (info["store_block_tokens"], info["store_path"]) == (64, str(fs.path))
+    assert info["store_max_blocks"] == 0  # no cap
     first = core.step(_prefill(0, 0, [5, 9, 2]))
     block = [5, 9, 2, *range(20, 33)]  # 16 pages: one block
     core.copies.copy(SpillPages(1, [0] * 16, block, list(range(16))))
@@ -348,8 +349,11 @@ def test_core_file_store_round_trip_decodes_as_before(config, tmp_path):
     missing = core.copies.copy(FetchPages(5, [8], 0, list(range(16))))
     assert missing is None and not core.copies.done(wait=True)[0].ok
     fs.close()
-    later = build_core(msgspec.structs.replace(config, hicache_storage_dir=str(tmp_path)))
+    later = build_core(msgspec.structs.replace(config, hicache_storage_dir=str(tmp_path),
+                                               hicache_storage_max_size=2.5e-3))  # fmt: skip
     assert later.file_store.list_keys() == [-7]
+    block_bytes = (fs.path / f"{-7 % 2**64:016x}.kv").stat().st_size
+    assert ready_info(later)["store_max_blocks"] == int(2.5e6) // block_bytes  # whole files
     other = build_core(msgspec.structs.replace(config, hicache_storage_dir=str(tmp_path),
                                                seed=4))  # fmt: skip
     assert other.file_store.list_keys() == []

@@ -4,10 +4,11 @@ Theory of operation
     `run(config, bus)` subscribes to the core's inbox topics (exact topics, see below),
     waits until the subscription is connected, publishes `Ready(actor="cache", info=
     config.to_info())`, then, with a file store, `StoreListed` of the blocks its
-    directory holds (executor/block_files.py's `list_keys`: the core reads no files; the listing reaches it
-    through the bus, so a recording replays it), and then feeds the core every message
-    in delivery order,
-    publishing each output in order. It answers `HealthPing(target="cache")` itself
+    directory holds, oldest first by modification time (executor/block_files.py's
+    `list_keys`: the core reads no files; the listing reaches it through the bus, so a
+    recording replays it; past the store's size cap the core evicts the oldest), and
+    then feeds the core every message in delivery order, publishing each output in
+    order. It answers `HealthPing(target="cache")` itself
     (shell traffic, under `health.`). Refused frees and broken censuses are also logged.
 
     `cache.drop` (DropTree, in) is a prefix of `cache.dropped` (TreeDropped, out), so the
@@ -66,8 +67,11 @@ async def run(
         await bus.publish(Ready(actor="cache", actor_id=config.actor_id, info=config.to_info()))
         log.info("ready", num_pages=config.num_pages, page_size=config.page_size)
         if config.store_block_tokens:
-            keys = await anyio.to_thread.run_sync(list_keys, config.store_path)
-            log.info("file store", path=config.store_path, num_blocks=len(keys))
+            keys = await anyio.to_thread.run_sync(
+                lambda: list_keys(config.store_path, oldest_first=True)
+            )
+            log.info("file store", path=config.store_path, num_blocks=len(keys),
+                     max_blocks=config.store_max_blocks or None)  # fmt: skip
             await bus.publish(StoreListed(keys))
         task_status.started(core)
         async for received in sub:

@@ -101,7 +101,7 @@ class Books(Tiers):
             num_requests=len(self.requests),
             num_leases_in_flight=sum(self._leases_in_flight.values()),
             num_copies_in_flight=(len(self.host.writes) + len(self.host.loads) if self.host else 0)
-            + (len(self.store.stores) + len(self.store.clears) if self.store else 0),
+            + (self.store.num_erases_and_writes if self.store else 0),
             tree_version=self.tree.version,
             num_matches=self._num_matches,
             num_queried_tokens=self._num_queried,

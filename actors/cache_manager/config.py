@@ -48,6 +48,10 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Tokens per block of the file store below the host tier (store_tier.py), a
     multiple of page_size; 0: no file store. Needs the host tier."""
 
+    store_max_blocks: int = 0
+    """Most blocks the file store may hold (--hicache-storage-max-size over the size of
+    a block's file); past it the least recently used go (store_tier.py). 0: no cap."""
+
     store_prefetch_policy: str = "wait_complete"
     """Whether a match waits for the blocks it reads from the file store:
     "wait_complete" (it does, then loads them) or "best_effort" (it never does: it is
@@ -88,6 +92,13 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"store_block_tokens must be a multiple of page_size "
                              f"({self.page_size}) with a host tier, got "
                              f"{self.store_block_tokens!r}")  # fmt: skip
+        if (
+            not isinstance(self.store_max_blocks, int)
+            or self.store_max_blocks < 0
+            or (self.store_max_blocks and not self.store_block_tokens)
+        ):
+            raise ValueError(f"store_max_blocks must be >= 0 (0: no cap), and needs a file "
+                             f"store, got {self.store_max_blocks!r}")  # fmt: skip
         if self.store_prefetch_policy not in PREFETCH_POLICIES:
             raise ValueError(
                 f"store_prefetch_policy {self.store_prefetch_policy!r} is not supported "
@@ -113,6 +124,7 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
             "write_policy": self.write_policy,
             "store_block_tokens": self.store_block_tokens,
             "store_path": self.store_path,
+            "store_max_blocks": self.store_max_blocks,
             "store_prefetch_policy": self.store_prefetch_policy,
         }
 
@@ -130,6 +142,7 @@ class CacheConfig(msgspec.Struct, frozen=True, kw_only=True):
                 write_policy=str(info.get("write_policy", "write_through")),
                 store_block_tokens=int(info.get("store_block_tokens", 0)),
                 store_path=str(info.get("store_path", "")),
+                store_max_blocks=int(info.get("store_max_blocks", 0)),
                 store_prefetch_policy=str(info.get("store_prefetch_policy", "wait_complete")),
                 actor_id=actor_id,
             )

@@ -145,7 +145,8 @@ class CacheManagerCore(Books):
         self.ledger = PageLedger(config.num_pages)
         self.host = (HostTier(config.num_host_pages, config.page_size, config.write_policy)
                      if config.num_host_pages else None)  # fmt: skip
-        self.store = (StoreTier(config.store_block_tokens, config.page_size)
+        self.store = (StoreTier(config.store_block_tokens, config.page_size,
+                                config.store_max_blocks)
                       if self.host is not None and config.store_block_tokens else None)  # fmt: skip
         if self.host is not None and self.store is not None:
             self.host.keep = self.store.keep
@@ -205,9 +206,10 @@ class CacheManagerCore(Books):
             case PagesFetched():
                 return self._on_fetched(msg)
             case StoreListed(keys=keys):
-                if self.store is not None:
-                    self.store.listed(keys)
-                return []
+                if self.store is None or self.host is None:
+                    return []
+                trim = self.store.listed(self.host, keys)
+                return [trim] if trim is not None else []
             case ClearStore():
                 return self._on_clear_store(msg)
             case BlocksErased():

@@ -56,6 +56,7 @@ class CacheStatistics(msgspec.Struct, frozen=True, kw_only=True):
     num_store_hit_tokens: int = 0  # matched tokens read back from it
     num_store_copies_failed: int = 0
     store_block_tokens: int = 0  # 0: no store
+    num_store_blocks_evicted: int = 0  # erased to keep it under its size cap
 
     @property
     def hit_rate(self) -> float:

@@ -27,7 +27,18 @@ Theory of operation
       again then, which loads them.
     - A failed write forgets nothing (the blocks were not known); a failed fetch marks
       the nodes holding its pages invalid and forgets its keys, so no match tries them
-      again.
+      again, and erases their files: a file that is there but bad would otherwise stay,
+      uncounted by the cap, and keep a later write of its key from replacing it (a
+      write skips a name that exists).
+    - A size cap (`max_blocks` > 0): the store holds at most that many blocks, those
+      being written counted. A write that would take it past the cap first evicts the
+      least recently used blocks (a block is used when it is written or fetched; those
+      an earlier run left come before any other, in StoreListed's order, oldest
+      first), never one a fetch in flight reads; their files go (EraseBlocks, sent
+      before the write, so the store deletes them first). When the blocks being read
+      leave too little room, only the write's first blocks that fit are written.
+      Recency is the order of `known`, a block moved to its end on each use: no clock.
+      StoreListed trims what an earlier run left past the cap alike.
     - `clear(host, clear_id)` (ClearStore): every block file goes (EraseBlocks,
       everything). The store runs its copies in the order they came, so the writes and
       reads sent before the erase finish first and those sent after start after it:
@@ -40,6 +51,9 @@ Invariants
     - every fetch's pages are in the host tier's `writes` under its copy id, with a
       `waiters` entry, until it is answered.
     - a key is in `known` only if its file exists once every copy sent so far has run.
+    - with a cap, len(known) + len(pending) <= max_blocks after every message, so once
+      every copy sent so far has run the store's directory holds at most max_blocks
+      block files (and the temp file of the one block being written).
 """
 
 from __future__ import annotations
@@ -85,21 +99,30 @@ def block_keys(generation: int, namespace: str, tokens: list[int], block_tokens:
 
 
 class StoreTier:
-    def __init__(self, block_tokens: int, page_size: int) -> None:
-        assert block_tokens % page_size == 0
+    def __init__(self, block_tokens: int, page_size: int, max_blocks: int = 0) -> None:
+        assert block_tokens % page_size == 0 and max_blocks >= 0
         self.block_tokens = block_tokens
         self.page_size = page_size
         self.block_pages = block_tokens // page_size
+        self.max_blocks = max_blocks  # 0: no cap
         self.generation = 0
-        self.known: set[int] = set()  # blocks the store holds
+        self.known: dict[int, None] = {}  # blocks the store holds, least recently used first
         self.pending: set[int] = set()  # blocks being written
         self.pinned: Counter[int] = Counter()  # host page -> store copies using it
         self.stores: dict[int, tuple[list[int], list[int]]] = {}  # copy id -> keys, pages
         self.fetches: dict[int, tuple[list[int], list[int]]] = {}  # copy id -> keys, pages
         self.page_fetch: dict[int, int] = {}  # host page being fetched -> copy id
         self.clears: dict[int, tuple[str, int]] = {}  # erase's copy id -> clear id, blocks
+        self.erases: dict[int, list[int]] = {}  # erase's copy id -> blocks evicted or bad
         self.voided: set[int] = set()  # writes an erase sent after them undoes
         self.num_stored = self.num_fetched = self.num_hit = self.num_failed = 0
+        self.num_evicted = 0
+
+    @property
+    def num_erases_and_writes(self) -> int:
+        """Its copies in flight that the host tier's books do not count (fetches are in
+        its `writes`)."""
+        return len(self.stores) + len(self.clears) + len(self.erases)
 
     @property
     def busy(self) -> bool:
@@ -124,21 +147,63 @@ class StoreTier:
             if not self.pinned[h]:
                 del self.pinned[h]
 
-    def listed(self, keys: list[int]) -> None:
-        self.known.update(keys)
+    def listed(self, host: HostTier, keys: list[int]) -> EraseBlocks | None:
+        """The blocks an earlier run left (StoreListed, oldest first): known from now
+        on, as less recent than any this run used; past the cap, the oldest go."""
+        older = dict.fromkeys(k for k in keys if k not in self.known and k not in self.pending)
+        older.update(self.known)
+        self.known = older
+        return self._make_room(host, 0)
 
     def drop(self, weights_changed: bool) -> None:
         """The tree was dropped (no copy is in flight then); with new weights, nothing
-        stored so far may be matched again."""
+        stored so far may be matched again: the generation roots every key from now on,
+        so no earlier key is matched. The earlier blocks stay known (their files are
+        there), the least recent of all, so a cap evicts them first."""
         if weights_changed:
             self.generation += 1
-            self.known.clear()
+
+    # -- the cap ------------------------------------------------------------------
+
+    def _use(self, keys: list[int]) -> None:
+        """Make keys the most recently used blocks."""
+        for k in keys:
+            self.known.pop(k, None)
+            self.known[k] = None
+
+    def _make_room(self, host: HostTier, num_new: int) -> EraseBlocks | None:
+        """Under a cap, evict the least recently used blocks that no fetch in flight
+        reads until num_new more blocks fit (or none is left to evict): EraseBlocks of
+        them, to send before the write."""
+        over = len(self.known) + len(self.pending) + num_new - self.max_blocks
+        if not self.max_blocks or over <= 0:
+            return None
+        reading = {k for keys, _ in self.fetches.values() for k in keys}
+        victims: list[int] = []
+        for k in self.known:
+            if len(victims) == over:
+                break
+            if k not in reading:
+                victims.append(k)
+        if not victims:
+            return None
+        for k in victims:
+            del self.known[k]
+        self.num_evicted += len(victims)
+        return self._erase(host, victims)
+
+    def _erase(self, host: HostTier, keys: list[int]) -> EraseBlocks:
+        cid = host.next_copy_id()
+        self.erases[cid] = keys
+        return EraseBlocks(cid, list(keys))
 
     # -- writes -------------------------------------------------------------------
 
-    def after_backup(self, tree: RadixTree, host: HostTier, node: Node) -> StorePages | None:
+    def after_backup(self, tree: RadixTree, host: HostTier,
+                     node: Node) -> list[EraseBlocks | StorePages]:  # fmt: skip
         """Write the blocks a node whose backup just landed completes, where the whole
-        block has host copies and the store lacks it."""
+        block has host copies and the store lacks it; under a cap, what it evicts for
+        them is erased first."""
         path: list[Node] = []
         n: Node | None = node
         while n is not None and n.parent is not None:
@@ -163,13 +228,20 @@ class StoreTier:
                 continue  # a copy into these host pages has not landed yet
             out_keys.append(keys[j])
             out_pages += pages  # type: ignore[arg-type]
+        out: list[EraseBlocks | StorePages] = []
+        if self.max_blocks and out_keys:
+            erase = self._make_room(host, len(out_keys))
+            out += [erase] if erase is not None else []
+            room = max(self.max_blocks - len(self.known) - len(self.pending), 0)
+            out_keys, out_pages = out_keys[:room], out_pages[: room * bp]  # a prefix's first
         if not out_keys:
-            return None
+            return out
         cid = host.next_copy_id()
         self.stores[cid] = (out_keys, out_pages)
         self.pending.update(out_keys)
         self._pin(out_pages, 1)
-        return StorePages(cid, out_keys, out_pages)
+        out.append(StorePages(cid, out_keys, out_pages))
+        return out
 
     def stored(self, msg: PagesStored) -> bool:
         """A write's reply; False when it answers no write of ours."""
@@ -183,7 +255,7 @@ class StoreTier:
             self.voided.discard(msg.copy_id)
             self.num_failed += not msg.ok
         elif msg.ok:
-            self.known.update(keys)
+            self._use(keys)
             self.num_stored += len(keys)
         else:
             self.num_failed += 1
@@ -242,14 +314,16 @@ class StoreTier:
         host.writes[cid] = pages
         host.waiters[cid] = {}
         self.fetches[cid] = (keys[j0:j], pages)
+        self._use(keys[j0:j])
         self._pin(pages, 1)
         for h in pages:
             self.page_fetch[h] = cid
         return FetchPages(cid, keys[j0:j], (m - j0 * bt) // ps, pages)
 
-    def fetched(self, tree: RadixTree, host: HostTier, msg: PagesFetched) -> list[str] | None:
-        """A fetch's reply: the requests that waited for it, in order; None when it
-        answers no fetch of ours."""
+    def fetched(self, tree: RadixTree, host: HostTier,
+                msg: PagesFetched) -> tuple[list[str], EraseBlocks | None] | None:  # fmt: skip
+        """A fetch's reply: the requests that waited for it, in order, and when it
+        failed the erase of its blocks; None when it answers no fetch of ours."""
         entry = self.fetches.pop(msg.copy_id, None)
         if entry is None:
             return None
@@ -259,17 +333,21 @@ class StoreTier:
         for h in pages:
             del self.page_fetch[h]
         host.ledger.move(pages, OUT, TREE)
+        erase = None
         if msg.ok:
             self.num_fetched += len(keys)
             self.num_hit += len(pages) * self.page_size
         else:
             self.num_failed += 1
-            self.known.difference_update(keys)
+            bad_keys = [k for k in keys if k in self.known]
+            for k in bad_keys:
+                del self.known[k]
+            erase = self._erase(host, bad_keys) if bad_keys else None
             bad = set(pages)
             for n in tree.nodes():
                 if n.host_pages and bad.intersection(n.host_pages):
                     n.valid = False
-        return list(host.waiters.pop(msg.copy_id))
+        return list(host.waiters.pop(msg.copy_id)), erase
 
     # -- clearing -----------------------------------------------------------------
 
@@ -284,7 +362,11 @@ class StoreTier:
         return EraseBlocks(cid, [], everything=True)
 
     def erased(self, msg: BlocksErased) -> StoreCleared | None:
-        """An erase's reply, as its clear's answer; None when it answers none of ours."""
+        """An erase's reply, as its clear's answer; None when it answers no clear (an
+        eviction's failure counts as a failed copy: its files may still be there)."""
+        if self.erases.pop(msg.copy_id, None) is not None:
+            self.num_failed += not msg.ok
+            return None
         entry = self.clears.pop(msg.copy_id, None)
         if entry is None:
             return None
@@ -296,4 +378,5 @@ class StoreTier:
             num_store_blocks=len(self.known), num_stored_blocks=self.num_stored,
             num_fetched_blocks=self.num_fetched, num_store_hit_tokens=self.num_hit,
             num_store_copies_failed=self.num_failed, store_block_tokens=self.block_tokens,
+            num_store_blocks_evicted=self.num_evicted,
         )  # fmt: skip

@@ -29,7 +29,9 @@ Theory of operation
     again just before admitting it, so one that waited in its queue meanwhile gets
     what the read brought (SGLang's best_effort: what has arrived by then).
     StoreListed (from
-    the shell at start) tells the core what an earlier run left there. ClearStore
+    the shell at start, oldest first) tells the core what an earlier run left there,
+    trimmed to the store's size cap (config.store_max_blocks: least recently used
+    blocks are evicted, EraseBlocks, before a write would pass it). ClearStore
     (/hicache/storage-backend/clear) empties the store (EraseBlocks) and is answered
     with StoreCleared once the store has (BlocksErased).
 
@@ -188,9 +190,7 @@ class Tiers:
             return []
         assert host is not None and node is not None
         if msg.ok and self.store is not None and not self._drops:
-            store = self.store.after_backup(self.tree, host, node)
-            if store is not None:
-                out.append(store)
+            out += self.store.after_backup(self.tree, host, node)
         for rid in host.waiters.pop(msg.copy_id, {}):  # matches waiting for room (write_back)
             out += self._match_again(self.requests[rid], msg.copy_id)
         self._drop_when_idle(out)
@@ -226,11 +226,12 @@ class Tiers:
 
     def _on_fetched(self, msg: PagesFetched) -> list[Msg]:
         host, store = self.host, self.store
-        rids = store.fetched(self.tree, host, msg) if host and store else None
-        if rids is None:
+        done = store.fetched(self.tree, host, msg) if host and store else None
+        if done is None:
             return []
-        assert host is not None
-        out = self._relief(len(msg.keys))
+        rids, erase = done
+        out: list[Msg] = [erase] if erase is not None else []
+        out += self._relief(len(msg.keys))
         for rid in rids:
             self._store_timers.pop(rid, None)
             out += self._match_again(self.requests[rid], msg.copy_id)

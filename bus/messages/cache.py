@@ -149,6 +149,7 @@ class CacheStats(Msg, tag="cache.stats"):
     num_store_hit_tokens: int = 0  # tokens read back from it for a match
     num_store_copies_failed: int = 0
     store_block_tokens: int = 0  # the store's block size: 0 when there is no store
+    num_store_blocks_evicted: int = 0  # blocks erased to keep the store under its size cap
 
 
 class PagesEvictable(Msg, tag="cache.evictable"):

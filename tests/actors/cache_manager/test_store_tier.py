@@ -86,7 +86,7 @@ def test_a_landed_backup_writes_its_whole_blocks_once():
     assert core.store.pinned == {h: 1 for h in st.host_pages}
     assert census_ok(core, seq)
     core.handle(PagesStored(st.copy_id, st.keys))
-    assert core.store.known == set(st.keys) and not core.store.pinned
+    assert core.store.known.keys() == set(st.keys) and not core.store.pinned
     # a longer sequence backs up its tail only, which completes no new block... the next
     # one of 12 tokens completes the third block: only it is written
     (sp2,) = of(serve(core, "b", [*A, 7, 7], seq), SpillPages)
@@ -137,15 +137,18 @@ def test_a_read_past_the_cached_part_skips_the_pages_it_has():
     assert fp.keys == st.keys[1:] and fp.skip == 1 and len(fp.host_pages) == 1
 
 
-def test_a_failed_read_forgets_its_blocks_and_matches_again_without_them():
+def test_a_failed_read_forgets_and_erases_its_blocks_and_matches_again_without_them():
     core, seq = make(), Seq()
     st = stored(core, "a", A, seq)
     core.handle(DropTree("f"))
     (fp,) = core.handle(Tokenized("b", [*A, 1], SP))
-    (m,) = core.handle(PagesFetched(fp.copy_id, fp.keys, ok=False, error="gone"))
+    er, m = core.handle(PagesFetched(fp.copy_id, fp.keys, ok=False, error="gone"))
+    assert er == EraseBlocks(er.copy_id, st.keys)  # a bad file there would stay forever
     assert isinstance(m, Matched) and m.num_cached_tokens == 0
-    assert not core.store.known & set(st.keys) and census_ok(core, seq)
-    assert core.statistics().num_store_copies_failed == 1
+    assert not core.store.known.keys() & set(st.keys) and census_ok(core, seq)
+    assert core.handle(BlocksErased(er.copy_id, er.keys)) == []
+    s = core.statistics()
+    assert (s.num_store_copies_failed, s.num_store_blocks_evicted) == (1, 0)
 
 
 def test_new_weights_match_no_earlier_block():
@@ -223,7 +226,7 @@ def test_a_write_in_flight_at_a_clear_counts_for_nothing_and_later_ones_do():
     (sp,) = of(serve(core, "b", B, seq), SpillPages)
     (st_b,) = of(core.handle(PagesSpilled(sp.copy_id, sp.keys)), StorePages)
     core.handle(PagesStored(st_b.copy_id, st_b.keys))
-    assert core.store.known == set(st_b.keys) and census_ok(core, seq)
+    assert core.store.known.keys() == set(st_b.keys) and census_ok(core, seq)
 
 
 def test_a_write_that_failed_counts_as_failed_though_a_clear_voided_it():

@@ -160,6 +160,7 @@ def _executor_facts(ready: Mapping[str, Ready]) -> dict[str, Any]:
         "num_host_pages": int(info.get("num_host_pages", 0)),
         "store_block_tokens": int(info.get("store_block_tokens", 0)),
         "store_path": str(info.get("store_path", "")),
+        "store_max_blocks": int(info.get("store_max_blocks", 0)),
         "eos_token_ids": tuple(int(t) for t in eos.split(",") if t.strip()),
     }
 
@@ -202,6 +203,7 @@ def build_config(spec: ActorSpec, a: ServerArgs, ready: Mapping[str, Ready], see
                 enable_hierarchical_cache=a.enable_hierarchical_cache,
                 hicache_ratio=a.hicache_ratio, hicache_size=float(a.hicache_size),
                 hicache_storage_dir=storage_dir(a),
+                hicache_storage_max_size=a.hicache_storage_max_size or 0.0,
             )  # fmt: skip
         case "tokenizer":
             from shunter.actors.tokenizer.config import TokenizerConfig
@@ -228,6 +230,7 @@ def build_config(spec: ActorSpec, a: ServerArgs, ready: Mapping[str, Ready], see
                 eviction_policy=a.radix_eviction_policy,
                 num_host_pages=facts["num_host_pages"], write_policy=a.hicache_write_policy,
                 store_block_tokens=facts["store_block_tokens"], store_path=facts["store_path"],
+                store_max_blocks=facts["store_max_blocks"],
                 store_prefetch_policy=a.hicache_storage_prefetch_policy,
             )  # fmt: skip
         case "scheduler":

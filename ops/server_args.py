@@ -145,6 +145,9 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     hicache_storage_dir: str | None = None
     """The file store's root (default: $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else
     /tmp/hicache)."""
+    hicache_storage_max_size: float | None = None
+    """GB of block files the file store may hold; past it the least recently used
+    blocks are evicted (None: no cap)."""
     hicache_storage_prefetch_policy: str = "wait_complete"
 
     # parallelism
@@ -269,6 +272,13 @@ def _problems(a: ServerArgs) -> list[str]:
         if not a.enable_hierarchical_cache:
             out.append(f"{flag('hicache_storage_backend')}: needs "
                        "--enable-hierarchical-cache (blocks move through the host tier)")  # fmt: skip
+    if a.hicache_storage_max_size is not None:
+        if not a.hicache_storage_max_size > 0:
+            out.append(f"{flag('hicache_storage_max_size')}: must be > 0 (GB; leave it out "
+                       "for no cap)")  # fmt: skip
+        if a.hicache_storage_backend != "file":
+            out.append(f"{flag('hicache_storage_max_size')}: needs --hicache-storage-backend "
+                       "file (it caps the file store)")  # fmt: skip
     if a.hicache_storage_prefetch_policy not in PREFETCH_POLICIES:
         out.append(f"{flag('hicache_storage_prefetch_policy')}: must be one of "
                    f"{', '.join(PREFETCH_POLICIES)}")  # fmt: skip

@@ -51,6 +51,7 @@ _METAVARS = {
     "model_path": "PATH", "tokenizer_path": "PATH", "chat_template": "TEMPLATE",
     "record_events": "DIR", "bus_dir": "DIR", "host": "HOST", "api_key": "KEY", "admin_api_key": "KEY",
     "served_model_name": "NAME", "mem_fraction_static": "FRACTION",
+    "hicache_storage_max_size": "GB",
 }  # fmt: skip
 
 

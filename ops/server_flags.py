@@ -111,6 +111,9 @@ OPTIONS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
     ("hicache_storage_dir", ("--hicache-storage-dir",), "memory",
      "the file store's directory (default: $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, "
      "else /tmp/hicache)"),
+    ("hicache_storage_max_size", ("--hicache-storage-max-size",), "memory",
+     "GB of block files the file store may hold on disk; past it the least recently used "
+     "blocks are deleted (default: no cap)"),
     ("hicache_storage_prefetch_policy", ("--hicache-storage-prefetch-policy",), "memory",
      "wait_complete: a match waits for its blocks to be read from the file store; "
      "best_effort: it never waits (the read fills the host tier for later matches); "

@@ -43,13 +43,17 @@ SAMPLE: dict[str, str | None] = {
     "enable_hierarchical_cache": None, "hicache_ratio": "3.5", "hicache_size": "4",
     "hicache_write_policy": "write_through_selective", "hicache_storage_backend": "file",
     "hicache_storage_dir": "/tmp/st", "hicache_storage_prefetch_policy": "wait_complete",
+    "hicache_storage_max_size": "2.5",
     "disable_piecewise_cuda_graph": None, "enable_piecewise_cuda_graph": None,
     "piecewise_cuda_graph_max_tokens": "1024",
     "piecewise_cuda_graph_tokens": "16 64 256",
 }  # fmt: skip
 LISTS = {"cuda_graph_bs", "piecewise_cuda_graph_tokens"}  # fields given as several values
 # what a field's flag is given with in the alias test (it needs these to be valid)
-NEEDS: dict[str, list[str]] = {"hicache_storage_backend": ["--enable-hierarchical-cache"]}
+NEEDS: dict[str, list[str]] = {
+    "hicache_storage_backend": ["--enable-hierarchical-cache"],
+    "hicache_storage_max_size": ["--enable-hierarchical-cache", "--hicache-storage-backend", "file"],
+}  # fmt: skip
 ALIASES = [(field, flag) for field, flags, _, _ in OPTIONS for flag in flags]
 
 
@@ -120,6 +124,27 @@ def test_every_sglang_prefetch_policy_parses_and_others_are_refused():
         assert a.hicache_storage_prefetch_policy == policy
     with pytest.raises(ValueError, match="must be one of wait_complete, best_effort, timeout"):
         parse_server_args(["--hicache-storage-prefetch-policy", "soon"])
+
+
+def test_the_file_store_size_cap_needs_a_file_store_and_a_positive_size():
+    store = ["--enable-hierarchical-cache", "--hicache-storage-backend", "file"]
+    a = parse_server_args([*store, "--hicache-storage-max-size", "0.5"])
+    assert a.hicache_storage_max_size == 0.5
+    assert parse_server_args(store).hicache_storage_max_size is None  # no cap by default
+    for argv, message in [
+        ([*store, "--hicache-storage-max-size", "0"],
+         "--hicache-storage-max-size 0.0: must be > 0"),
+        ([*store, "--hicache-storage-max-size", "-2"],
+         "--hicache-storage-max-size -2.0: must be > 0"),
+        (["--enable-hierarchical-cache", "--hicache-storage-max-size", "1"],
+         "--hicache-storage-max-size 1.0: needs --hicache-storage-backend file"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            parse_server_args(argv)
+    err = io.StringIO()
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(err):
+        parse_server_args([*store, "--hicache-storage-max-size", "lots"])
+    assert "--hicache-storage-max-size" in err.getvalue()
 
 
 def test_no_prefix_abbreviation():

@@ -9,7 +9,8 @@ copies between tiers, come from the cache manager's `CacheStats` under `shunter:
 names (SGLang exports no such set): `shunter:kv_pages{tier,state}`,
 `shunter:prefix_hit_tokens_total{tier}`, `shunter:kv_pages_copied_total{direction}`,
 `shunter:kv_copies_failed_total` and `shunter:kv_pages_evicted_total`; with a file
-store, `shunter:store_blocks` and `shunter:store_blocks_copied_total{direction}`.
+store, `shunter:store_blocks`, `shunter:store_blocks_copied_total{direction}` and
+`shunter:store_blocks_evicted_total`.
 """
 
 from __future__ import annotations
@@ -291,6 +292,12 @@ class Metrics:
                     ('direction="to_store"', c.num_stored_blocks),
                     ('direction="from_store"', c.num_fetched_blocks),
                 ],
+            )
+            family(
+                "shunter:store_blocks_evicted_total",
+                "counter",
+                "Blocks deleted from the file store to keep it under its size cap.",
+                [("", c.num_store_blocks_evicted)],
             )
         family(
             "shunter:kv_pages_evicted_total",

@@ -97,5 +97,8 @@ def test_store_families_show_whenever_a_store_is_configured():
     assert all(LINE.match(ln) for ln in samples), samples
     assert 'shunter:store_blocks{model_name="m"} 0' in samples
     assert 'shunter:prefix_hit_tokens_total{model_name="m",tier="store"} 0' in samples
-    m.cache = CacheStats(**host, store_block_tokens=64, num_store_blocks=3, num_stored_blocks=5)
+    assert 'shunter:store_blocks_evicted_total{model_name="m"} 0' in samples
+    m.cache = CacheStats(**host, store_block_tokens=64, num_store_blocks=3, num_stored_blocks=5,
+                         num_store_blocks_evicted=2)  # fmt: skip
     assert 'shunter:store_blocks{model_name="m"} 3' in m.render()
+    assert 'shunter:store_blocks_evicted_total{model_name="m"} 2' in m.render()

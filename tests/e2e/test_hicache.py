@@ -16,16 +16,20 @@ import urllib.request
 import openai
 import pytest
 
+from shunter.actors.executor.block_files import file_name, list_keys
 from shunter.bus.log import LogReader
 from shunter.bus.messages import (
+    BlocksErased,
     Census,
     CensusBroken,
     DecodeFailed,
+    EraseBlocks,
     FetchPages,
     LoadPages,
     PagesFetched,
     PagesLoaded,
     PagesSpilled,
+    PagesStored,
     SpillPages,
     StoreCleared,
     StoreListed,
@@ -180,3 +184,64 @@ def _clear_then_store_again(server, client, store) -> None:
     while time.monotonic() < deadline and len(list(store.rglob("*.kv"))) < 2:
         time.sleep(0.1)
     assert len(list(store.rglob("*.kv"))) >= 2
+
+
+def _metric(server, name: str) -> float:
+    m = re.search(rf"{name}\{{[^}}]*\}} (\S+)", server.get("/metrics")[1].decode())
+    return float(m.group(1)) if m else -1.0
+
+
+def _wait_for(what, deadline_s: float = 20.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not what():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_a_capped_store_is_trimmed_at_start_and_stays_under_its_cap(start_server, mode, tmp_path):
+    """Four prompts fill a store with no cap; a server capped at three and a half block
+    files on the same directory deletes the oldest at start, down to three, and stays
+    there as it writes more (least recently used out first); /metrics counts the
+    evictions and its cache manager replays."""
+    store = tmp_path / "store"
+    args = ("--enable-hierarchical-cache", "--enable-metrics", "--hicache-storage-backend",
+            "file", "--hicache-storage-dir", str(store))  # fmt: skip
+
+    def files() -> list:
+        return sorted(store.rglob("*.kv"))
+
+    def complete(server, topic: str) -> None:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none")
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt=_prompt(topic),
+                                  max_tokens=8, temperature=0)  # fmt: skip
+
+    with start_server(tmp_path / "first", mode, *args) as server:
+        for topic in TOPICS[:4]:
+            complete(server, topic)
+        _wait_for(lambda: _metric(server, "shunter:store_blocks") >= 8)
+    (path,) = {f.parent for f in files()}
+    before = list_keys(path, oldest_first=True)
+    size = files()[0].stat().st_size
+    assert len(before) >= 8
+    cap = 3.5 * size
+    with start_server(tmp_path / "second", mode, *args,
+                      "--hicache-storage-max-size", f"{cap / 1e9:.9f}") as server:  # fmt: skip
+        _wait_for(lambda: _metric(server, "shunter:store_blocks_evicted_total") >= len(before) - 3)
+        _wait_for(lambda: len(files()) == 3)  # the trim's erase ran
+        assert [f.name for f in files()] == sorted(file_name(k) for k in before[-3:])
+        for topic in TOPICS[4:]:
+            complete(server, topic)
+            assert len(files()) <= 3
+        stored = r'shunter:store_blocks_copied_total\{[^}]*direction="to_store"\} [1-9]'
+        _wait_for(lambda: re.search(stored, server.get("/metrics")[1].decode()))
+        evicted = _metric(server, "shunter:store_blocks_evicted_total")
+        assert evicted > len(before) - 3 and _metric(server, "shunter:store_blocks") == 3
+        assert len(files()) == 3 and sum(f.stat().st_size for f in files()) <= cap
+    msgs = [m for _, m in LogReader(server.events_dir).messages()]
+    erases = [m for m in msgs if isinstance(m, EraseBlocks)]
+    assert erases[0].keys == before[:-3] and not erases[0].everything
+    assert all(m.ok for m in msgs if isinstance(m, BlocksErased | PagesStored))
+    r = subprocess.run([sys.executable, "-m", "shunter.ops.busctl", "replay",
+                        str(server.events_dir), "--actor", "cache", "--allow-short-recording"],
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0 and "identical" in r.stdout, r.stdout + r.stderr

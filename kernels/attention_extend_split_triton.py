@@ -44,9 +44,11 @@ from shunter.kernels.page_layout import check_attention_operands, new_output
 if INTERPRETED:
     fix_interpreter_loop_bounds()
 
-# Steps whose entries have at most this many new tokens take this kernel (measured on
-# an H200, BENCHMARKS.md "Short extends: GQA-packed split-KV attention")
-SPLIT_MAX_NEW_TOKENS = 64
+# Steps whose entries have at most this many new tokens take this kernel. 0 (none)
+# until it has run on a GPU: checked against the references under the interpreter and
+# compiled for sm_90 (254 registers, no spills), not yet timed; 64 is the bound meant
+# (the 128-row block holds 32 tokens of a 4-head group, two blocks at most)
+SPLIT_MAX_NEW_TOKENS = 0
 # Splits the merge reads at a time (a fixed block: one build of the merge kernel)
 MERGE_SPLITS = 16
 

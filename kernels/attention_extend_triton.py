@@ -10,7 +10,8 @@ and keeps an online softmax in float32. The new tokens' K/V were stored in the p
 before the call, so the cached prefix and the new tokens are read the same way. A step
 of a few new tokens per entry leaves most of the GPU idle here (one program per query
 head walking the whole prefix); `attention_extend_triton` hands those to the GQA-packed
-split-KV kernel of kernels/attention_extend_split_triton.py.
+split-KV kernel of kernels/attention_extend_split_triton.py (up to its
+SPLIT_MAX_NEW_TOKENS).
 
 Invariants: rows of q are the entries' new tokens concatenated in entry order;
 num_new[e] >= 1 and seq_len[e] >= num_new[e] (`plan_extend` checks); each query sees

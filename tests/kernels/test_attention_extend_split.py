@@ -14,9 +14,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from shunter.kernels import attention_extend_split_triton as short
 from shunter.kernels.attention_extend import plan_extend
 from shunter.kernels.attention_extend_split_triton import (
-    SPLIT_MAX_NEW_TOKENS,
     attention_extend_split_triton,
     split_launch,
 )
@@ -77,10 +77,11 @@ def test_split_extend_chosen_count_agrees_with_the_per_head_kernel():
     torch.testing.assert_close(out, other, rtol=2e-5, atol=2e-5)
 
 
-def test_short_extends_dispatch_to_the_split_kernel():
-    """attention_extend_triton takes the split kernel for short steps (same result as
-    asking for it), the per-head kernel past SPLIT_MAX_NEW_TOKENS or with a launch."""
-    n = SPLIT_MAX_NEW_TOKENS
+def test_short_extends_dispatch_to_the_split_kernel(monkeypatch):
+    """attention_extend_triton takes the split kernel for steps of at most
+    SPLIT_MAX_NEW_TOKENS new tokens per entry (same result as asking for it)."""
+    n = 64
+    monkeypatch.setattr(short, "SPLIT_MAX_NEW_TOKENS", n)
     q, kc, vc, tables = _extend_case(4, 2, 16, [n], [n + 40], 1, torch.float32, 9)
     meta = extend_meta(plan_extend([n], [n + 40], tables, device=DEVICE), torch.device(DEVICE))
     auto = attention_extend_triton(q, None, None, kc, vc, meta, 0.25)

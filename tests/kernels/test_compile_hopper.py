@@ -23,6 +23,9 @@ import pytest
 
 DECODE_VARIANTS = [v for v in itertools.product((False, True), repeat=4) if not (v[1] and v[2])]
 GEMV_PROLOGUES = ["PLAIN", "SILU_MUL", "ADD_RMSNORM"]
+# (dtype, bytes, sliding window, one split writing the output)
+SPLIT_EXTEND_VARIANTS = [(d, e, w, s) for d, e in (("bf16", 2), ("fp32", 4))
+                         for w in (False, True) for s in (False, True)]  # fmt: skip
 DECODE_POINTERS = {
     "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "idx_ptr": "*i32", "rows_ptr": "*i64",
     "lens_ptr": "*i32", "out_ptr": "*bf16", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
@@ -106,6 +109,21 @@ def compile_all() -> dict[str, dict]:
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=True, W_EVICT="")
     out.update([_run("gemv-qkv-rope-store", lambda: _compile(
         qrt._qkv_rope_store_kernel, qkv_ptrs, consts, num_warps=warps))])  # fmt: skip
+    from shunter.kernels import attention_extend_split_triton as est
+
+    for dtype, elem, window, direct in SPLIT_EXTEND_VARIANTS:
+        ptrs = {**{n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")},
+                "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "table_ptr": "*i64",
+                "q_start_ptr": "*i32", "num_new_ptr": "*i32", "seq_len_ptr": "*i32",
+                "scale": "fp32"}  # fmt: skip
+        block_t, block_g, warps = est.split_launch(4, 128, elem)  # the 8B head shape
+        consts = dict(HAS_WINDOW=window, DIRECT=direct, IEEE=dtype == "fp32", UPCAST=False,
+                      BLOCK_T=block_t, BLOCK_G=block_g, BLOCK_N=64, BLOCK_D=128)  # fmt: skip
+        out.update([_run(f"split-extend-{dtype}-{window}-{direct}", lambda p=ptrs, c=consts,
+                         w=warps: _compile(est._extend_split_kernel, p, c, num_warps=w))])  # fmt: skip
+    consts = dict(BLOCK_S=est.MERGE_SPLITS, BLOCK_D=128)
+    out.update([_run("split-extend-merge", lambda: _compile(est._extend_merge_kernel,
+                                                            merge_ptrs, consts))])  # fmt: skip
     return out
 
 
@@ -136,6 +154,14 @@ def test_decode_split_kernel_variants_build_for_hopper(report, rope, merge, dire
 
 def test_decode_merge_kernel_builds_for_hopper(report):
     assert "error" not in report["merge"], report["merge"].get("error")
+
+
+@pytest.mark.parametrize(("dtype", "elem", "window", "direct"), SPLIT_EXTEND_VARIANTS)
+def test_split_extend_kernel_variants_build_for_hopper(report, dtype, elem, window, direct):
+    """The GQA-packed split extend kernel (off by default, so CI's builds are the only
+    ones it gets until a device runs it) and its merge."""
+    for name in (f"split-extend-{dtype}-{window}-{direct}", "split-extend-merge"):
+        assert "error" not in report[name], report[name].get("error")
 
 
 @pytest.mark.parametrize("prologue", [*GEMV_PROLOGUES, "swiglu", "qkv-rope-store"])

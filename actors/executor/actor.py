@@ -23,8 +23,9 @@ once the scheduler has it. On the CPU a step is done when submit returns, so the
 it flushes at once. Each StepResult is stamped with `forward_us`, the wall
 time from its batch's submit to its result; a step slower than SLOW_STEP_S is logged
 ("slow step") with its tokens, rows and how the runner ran it (a decode graph,
-piecewise graphs or eagerly), so a stall shows which steps it was. Runs until
-cancelled.
+piecewise graphs or eagerly), so a stall shows which steps it was, and so is every
+Triton kernel a step had to build first ("kernel built in a step", kernels/jit_builds.py:
+a shape class the warm-up did not reach). Runs until cancelled.
 
 A flip's UpdateWeights comes when nothing runs: the step in flight, if any, is flushed,
 the new checkpoint is copied into the live weights in a worker thread (reload.py), and
@@ -96,6 +97,7 @@ from shunter.bus.messages import (
 )
 from shunter.bus.subscription import Subscription
 from shunter.bus.transport import Bus
+from shunter.kernels import jit_builds
 
 log = structlog.get_logger(actor="executor")
 
@@ -177,6 +179,9 @@ async def _serve(core: ExecutorCore, config: ExecutorConfig, sub: Subscription, 
             core.runner.last_path = ""
             results = await anyio.to_thread.run_sync(core.submit, batch)
             step.path = core.runner.last_path or "not run"  # a batch refused before its forward
+            for kernel, ms in jit_builds.drain():  # the engine waited on each
+                log.warning("kernel built in a step", step_id=batch.step_id, kernel=kernel,
+                            ms=round(ms, 1), path=step.path)  # fmt: skip
             await out.publish(results)
         batch = _WOKE
         while batch is _WOKE:  # until a message comes (or the subscription closes)

@@ -48,6 +48,7 @@ from shunter.actors.executor.runner import ModelRunner
 from shunter.actors.executor.warmup import warm_up
 from shunter.actors.grammar.token_fsm import GrammarCache, load_token_vocab
 from shunter.actors.model_files import resolve_model
+from shunter.kernels import jit_builds
 
 log = structlog.get_logger(actor="executor")
 
@@ -204,6 +205,8 @@ def build_core(config: ExecutorConfig) -> ExecutorCore:
                                store_fingerprint(config, mcfg, pool, block_pages),
                                max_bytes=int(config.hicache_storage_max_size * 1e9))  # fmt: skip
     t1 = time.perf_counter()
+    if on_cuda:
+        jit_builds.install()  # every Triton build from here on is recorded (and logged)
     runner = ModelRunner(
         model,
         pool,
@@ -232,10 +235,12 @@ def build_core(config: ExecutorConfig) -> ExecutorCore:
     if on_cuda and not config.skip_server_warmup:  # first-use builds now, not in a request
         log.info("warming up the attention paths", backend=runner.backend)
         warm_up(core)
+    built = jit_builds.drain()  # capture's and warm-up's (the hooks are set above)
     log.info("executor loaded", actor_id=config.actor_id, model=mcfg.name, dtype=str(dtype),
              device=str(device), backend=runner.backend, num_pages=pool.num_pages,
              page_size=pool.page_size, num_host_pages=host_pool.num_pages if host_pool else 0,
              host_pinned=host_pool.pinned if host_pool else False, cuda_graph_max_bs=max_bs,
-             piecewise_max_tokens=pw_tokens,
+             piecewise_max_tokens=pw_tokens, kernels_built=len(built),
+             kernel_build_s=round(sum(ms for _, ms in built) / 1e3, 2),
              load_s=round(t1 - t0, 2), capture_s=round(t2 - t1, 2), warmup_s=round(time.perf_counter() - t2, 2))  # fmt: skip
     return core

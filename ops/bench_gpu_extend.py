@@ -87,7 +87,8 @@ def floor_ms(c: ModelConfig, prefix: int, new: int, dtype_bytes: int, s: dict) -
 def measure_extend(driver: Driver, args: argparse.Namespace, mcfg: ModelConfig, s: dict,
                    dtype_bytes: int, *, profile: bool) -> None:  # fmt: skip
     """Time every --extend shape, print a line each and put the figures into `s` under
-    extend_{P}+{N} (with the kernel profile under `profile`)."""
+    extend_{P}+{N} (with the kernel profile under `profile`), and its median alone under
+    extend_{P}+{N}_ms, a figure `shunter bench ab --metric` can compare."""
     for prefix_len, new_len in parse_shapes(args.extend):
         prefix, new = random_prompts(2, max(prefix_len, new_len), driver.core.vocab_size,
                                      args.seed + 11)  # fmt: skip
@@ -117,3 +118,4 @@ def measure_extend(driver: Driver, args: argparse.Namespace, mcfg: ModelConfig, 
             print(f"extend {prefix_len}+{new_len}, the host until the model (cProfile):\n"
                   + format_host_profile(fig["host_profile"]), flush=True)  # fmt: skip
         s[key] = fig
+        s[f"{key}_ms"] = fig["median_ms"]

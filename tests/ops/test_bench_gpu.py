@@ -198,6 +198,7 @@ def test_extend_run_times_steps_over_a_cached_prefix(capsys):
         assert "floor_ms" not in fig  # no ceilings measured on a CPU
         assert fig["kernel_profile"] and fig["idle"] == {}
         assert any("plan_batch" in r["fn"] for r in fig["host_profile"])
+        assert summary[f"{key}_ms"] == pytest.approx(fig["median_ms"], abs=1e-3)  # for bench ab
     assert "extend 8 tokens over 40 cached: median" in out
 
 

@@ -34,9 +34,15 @@ constraint's limit of states), and below that only what can do without it is kep
 not required is left out, an array with no `minItems` stays empty, an `anyOf` keeps
 its other branches. Refused with a ValueError that names the keyword: a recursion with
 no such way out, `patternProperties`, `allOf` of more than one schema, an unknown
-`format`, and anything nested deeper than MAX_DEPTH. Not enforced (the output is
-valid JSON of the right shape, but these are not checked): `multipleOf`, and
-`minLength`/`maxLength` beside a `pattern` or `format`.
+`format`, a `multipleOf` that is not a number above 0, and anything nested deeper
+than MAX_DEPTH. `multipleOf` is exact, bounds included (lexical.py; no exponent form
+then): for integers whose step divides a power of ten (2, 5, 8, 10, 20, 25, 40, 50,
+100, ...; a step of 2.5 is 5) and numbers whose step is such an integer or 1/2^a5^b
+(0.1, 0.01, 0.5, 0.25, 0.2, 0.125, 0.05, ...); any other step where both bounds leave
+at most lexical.MAX_LISTED multiples. Not enforced (the output is valid JSON of the
+right shape, but these are not checked): other steps (an unbounded multiple of 3,
+0.3, 1.5 or 16: the bounds alone), and `minLength`/`maxLength` beside a `pattern` or
+`format`.
 """
 
 from __future__ import annotations
@@ -46,7 +52,17 @@ import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from shunter.actors.grammar.lexical import FORMATS, FRACTION, alt, bounds, integers, numbers
+from shunter.actors.grammar.lexical import (
+    FORMATS,
+    FRACTION,
+    Irregular,
+    alt,
+    bounds,
+    exact,
+    integers,
+    multiples,
+    numbers,
+)
 from shunter.actors.grammar.regex import MAX_CONSTRAINT_CHARS, PatternTooLarge
 
 MAX_DEPTH = 16
@@ -171,16 +187,34 @@ class _Converter:
         if kind == "string":
             return self.string(node)
         if kind in ("integer", "number"):
+            return self.numeric(node, kind)
+        if self.d.scalar(kind) is None:
+            raise self.fail(f"unknown type {kind!r}")
+        return self.d.scalar(kind)
+
+    def numeric(self, node: dict, kind: str) -> str:
+        """An integer or number within its bounds, a multiple of `multipleOf` where a
+        pattern can say so (lexical.multiples)."""
+        step = None
+        if "multipleOf" in node:
+            step = exact(node["multipleOf"])
+            if step is None or step <= 0:
+                raise self.fail(f"'multipleOf' must be a number above 0, got "
+                                f"{json.dumps(node['multipleOf'])[:40]}")  # fmt: skip
+            if kind == "integer" and step.numerator == 1:  # every integer is a multiple
+                step = None
+        try:
+            if step is None:
+                raise Irregular
+            pattern = multiples(node, step, kind == "integer")
+        except Irregular:  # no multipleOf, or one not enforced: the bounds alone
             lo, hi = bounds(node)
             if lo is None and hi is None:
                 return self.d.scalar(kind)
             pattern = (integers if kind == "integer" else numbers)(lo, hi)
-            if pattern is None:
-                raise self.fail(f"no {kind} is within {json.dumps(node)[:80]}")
-            return pattern
-        if self.d.scalar(kind) is None:
-            raise self.fail(f"unknown type {kind!r}")
-        return self.d.scalar(kind)
+        if pattern is None:
+            raise self.fail(f"no {kind} is within {json.dumps(node)[:80]}")
+        return pattern
 
     def free(self, depth: int, *, inside: bool = False) -> str:
         """Any value where a schema says nothing (the module docstring's depths); inside:

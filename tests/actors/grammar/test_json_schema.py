@@ -15,7 +15,7 @@ from fractions import Fraction
 import pytest
 
 from shunter.actors.grammar.ebnf import MAX_RECURSION
-from shunter.actors.grammar.json_schema import json_object, schema_regex
+from shunter.actors.grammar.json_schema import json_object, keyword_args_regex, schema_regex
 from shunter.actors.grammar.token_fsm import constraint_nfa
 
 SCHEMA = {
@@ -106,6 +106,83 @@ def test_number_bounds_admit_only_decimals_between_them_and_all_of_those_at_inte
                 assert not inside, (node, text)
     accepts = _accepts({"type": "number", "minimum": 0, "maximum": 1})
     assert all(map(accepts, ["0", "0.5", "1", "1.000"])) and not any(map(accepts, ["1.5", "-0.1"]))
+
+
+def _multiple_within(text: str, node: dict) -> bool:
+    """Whether text is a JSON number that node admits."""
+    if not re.fullmatch(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?", text):
+        return False
+    value, exact = Fraction(text), lambda v: Fraction(repr(v))  # repr: as the schema wrote it
+    if node["type"] == "integer" and "." in text:
+        return False
+    return (value / exact(node["multipleOf"])).denominator == 1 and all(
+        KEYS[k](value, exact(v)) for k, v in node.items() if k in KEYS
+    )
+
+
+def _assert_admits_exactly_the_multiples(node: dict, texts: list[str]) -> None:
+    """Checked with Python's re and the constraint's NFA; zero written -0 may be left out."""
+    pattern = schema_regex(node)
+    nfa_accepts, re_accepts = constraint_nfa(pattern).fullmatch, re.compile(pattern).fullmatch
+    num_admitted = 0
+    for text in texts:
+        expected = _multiple_within(text, node)
+        admitted = bool(re_accepts(text))
+        assert admitted == nfa_accepts(text), (node, text)
+        if text.startswith("-") and expected and Fraction(text) == 0:
+            continue
+        assert admitted == expected, (node, text)
+        num_admitted += expected
+    assert num_admitted, node  # the sweep reaches a multiple
+
+
+MULTIPLE_BOUNDS = [{}, {"minimum": -137, "maximum": 1234},
+                   {"exclusiveMinimum": -1000.5, "exclusiveMaximum": 999}, {"minimum": 7.5}]  # fmt: skip
+
+
+@pytest.mark.parametrize("bounds", MULTIPLE_BOUNDS)
+@pytest.mark.parametrize("step", [2, 5, 8, 10, 20, 25, 40, 125, 1000, 2.5, 0.5])
+def test_integer_multiple_of_a_divisor_of_a_power_of_ten_is_exact(step, bounds):
+    rng = random.Random(step)
+    texts = [str(v) for v in range(-1300, 1301)] + ["-0", "00", "08", "1.0", "1e3"]
+    texts += [str(rng.randint(-(10**17), 10**17) // 40 * 40 + d) for _ in range(40) for d in (0, 5)]
+    _assert_admits_exactly_the_multiples({"type": "integer", "multipleOf": step, **bounds}, texts)
+
+
+DECIMALS = [f"{sign}{i}.{f:0{n}d}" for sign in ("", "-") for i in range(4)
+            for n in (1, 2, 3, 4) for f in range(0, 10**n, 1 if n < 4 else 7)]  # fmt: skip
+
+
+@pytest.mark.parametrize("bounds", [{}, {"minimum": -1.25, "exclusiveMaximum": 2.5},
+                                    {"exclusiveMinimum": 0.1, "maximum": 3.05},
+                                    {"exclusiveMinimum": 1}])  # fmt: skip
+@pytest.mark.parametrize("step", [0.1, 0.01, 0.001, 0.5, 0.25, 0.2, 0.125, 0.05, 1, 2])
+def test_number_multiple_of_a_fraction_of_a_power_of_ten_or_an_integer_is_exact(step, bounds):
+    texts = DECIMALS + [str(v) for v in range(-20, 21)] + ["-0", "1.5000000", "2.0e1", "-0.0"]
+    _assert_admits_exactly_the_multiples({"type": "number", "multipleOf": step, **bounds}, texts)
+
+
+@pytest.mark.parametrize(("kind", "step", "lo", "hi"), [("integer", 3, -40, 500), ("integer", 16, 0, 4000),
+    ("integer", 7, -100.5, 100), ("number", 0.3, -3, 3.3), ("number", 1.5, -4, 40), ("number", 0.75, 0, 3)])  # fmt: skip
+def test_any_other_step_between_two_near_bounds_lists_its_values(kind, step, lo, hi):
+    texts = [str(v) for v in range(-150, 4100)] + (DECIMALS if kind == "number" else [])
+    _assert_admits_exactly_the_multiples({"type": kind, "multipleOf": step, "minimum": lo,
+                                          "maximum": hi}, texts)  # fmt: skip
+
+
+@pytest.mark.parametrize("node", [{"type": "integer", "multipleOf": 3},
+    {"type": "integer", "multipleOf": 16, "minimum": 0}, {"type": "number", "multipleOf": 0.3},
+    {"type": "integer", "multipleOf": 3, "minimum": 0, "maximum": 10000},
+    {"type": "number", "multipleOf": 1e-17}])  # fmt: skip
+def test_a_step_no_small_pattern_says_is_not_enforced_and_the_bounds_still_are(node):
+    without = {k: v for k, v in node.items() if k != "multipleOf"}
+    assert schema_regex(node) == schema_regex(without)
+
+
+def test_multiple_of_holds_in_python_keyword_arguments():
+    accepts = constraint_nfa(keyword_args_regex({"type": "object", "required": ["n"], "properties": {
+        "n": {"type": "integer", "multipleOf": 5, "minimum": 0}}})).fullmatch  # fmt: skip
+    assert accepts("n=15") and accepts("n=0") and not accepts("n=16") and not accepts("n=-5")
 
 
 def test_a_string_pattern_is_matched_whole_and_kept_valid_json():
@@ -218,6 +295,11 @@ def test_what_a_schema_leaves_free_is_any_json_nested_a_bounded_depth():
         ({"type": "date"}, "unknown type"),
         ({"enum": 5}, "wrong type"),
         ({"type": "string", "maxLength": []}, "wrong type"),
+        ({"type": "integer", "multipleOf": 0}, "'multipleOf' must be a number above 0"),
+        ({"type": "number", "multipleOf": -0.5}, "'multipleOf' must be a number above 0"),
+        ({"type": "number", "multipleOf": "2"}, "'multipleOf' must be a number above 0"),
+        ({"type": "integer", "multipleOf": True}, "'multipleOf' must be a number above 0"),
+        ({"type": "integer", "multipleOf": 4, "minimum": 1, "maximum": 3}, "no integer"),
         ("{not json", "not valid JSON"),
     ],
 )  # fmt: skip

@@ -6,7 +6,7 @@ Theory of operation
     while a copy between tiers is in flight, then reclaims every page of the tree
     (locked ones too when include_locked; refused while any is locked otherwise);
     the scheduler's Tick asks for CacheStats, sent when the figures changed since the
-    last one; `statistics()` is the fuller snapshot tests and benchmarks read. The
+    last one or, unchanged, every STATS_REFRESH_NS of Tick time (for late subscribers); `statistics()` is the fuller snapshot tests and benchmarks read. The
     core's docstring says what each of these guarantees.
 """
 
@@ -25,10 +25,14 @@ from shunter.bus.messages import (
     TreeDropped,
 )
 
+# CacheStats go out again at least this often (Tick time), changed or not
+STATS_REFRESH_NS = 5_000_000_000
+
 
 class Books(Tiers):
     _leases_in_flight: dict[int, int]
     _last_stats: CacheStats | None
+    _stats_sent_ns: int
     _num_matches: int
     _num_queried: int
     _num_hit: int
@@ -78,12 +82,14 @@ class Books(Tiers):
 
     def _on_tick(self, tick: Tick) -> list[Msg]:
         """Matches whose wait for the store timed out, and the figures for /metrics
-        when they changed since the last Tick."""
+        when they changed since the last Tick or STATS_REFRESH_NS of Tick time passed
+        since they last went out (a gateway that subscribed later, e.g. the one a
+        multi-process server starts after the cache manager, gets them then)."""
         out = self._store_timeouts(tick.now_ns) if self._store_timers else []
         stats = cache_stats(self.ledger, self.host, self.store, self._num_queried, self._num_hit,
                             self._num_evicted)  # fmt: skip
-        if stats != self._last_stats:
-            self._last_stats = stats
+        if stats != self._last_stats or tick.now_ns - self._stats_sent_ns >= STATS_REFRESH_NS:
+            self._last_stats, self._stats_sent_ns = stats, tick.now_ns
             out.append(stats)
         return out
 

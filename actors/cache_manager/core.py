@@ -42,7 +42,9 @@ Theory of operation
     reaches the cache manager in the one order that is safe.
 
     The scheduler's Tick (its shell's clock, every 0.25 s) asks for the figures of
-    /metrics: CacheStats goes out when they changed since the last Tick.
+    /metrics: CacheStats goes out when they changed since the last Tick, and every 5 s
+    of Tick time unchanged (books.py's STATS_REFRESH_NS), so a gateway that subscribed
+    after the last change still gets them.
 
     Time is `_clock`, advanced once per handled message (not by Tick); no clock,
     environment or randomness is read, so a recorded inbox replays to the same outbox.
@@ -164,6 +166,7 @@ class CacheManagerCore(Books):
         self._num_matches = self._num_queried = self._num_hit = 0
         self._num_evicted = self._num_refused = self._num_broken = self._num_deferred = 0
         self._last_stats: CacheStats | None = None
+        self._stats_sent_ns = 0
 
     def handle(self, msg: Msg) -> list[Msg]:
         if isinstance(msg, Tick):  # time is not the tree's clock: it moves with messages

@@ -346,6 +346,21 @@ def test_a_tick_sends_the_figures_when_they_changed():
     assert core.handle(Tick(4)) == []
 
 
+def test_unchanged_figures_go_out_again_every_refresh_interval_of_tick_time():
+    """A gateway that subscribed after the last change (multi-process servers start it
+    after the cache manager) still gets the figures: unchanged, they are re-sent once
+    STATS_REFRESH_NS of Tick time has passed since they last went out."""
+    from shunter.actors.cache_manager.books import STATS_REFRESH_NS
+
+    core = make(page_size=1)
+    t0 = 10**12
+    (first,) = core.handle(Tick(t0))
+    assert core.handle(Tick(t0 + STATS_REFRESH_NS - 1)) == []
+    (again,) = core.handle(Tick(t0 + STATS_REFRESH_NS))
+    assert again == first
+    assert core.handle(Tick(t0 + STATS_REFRESH_NS + 1)) == []  # counted from the resend
+
+
 def test_config_validation_and_info_round_trip():
     for kw, match in [
         ({"num_pages": 0}, "num_pages"),

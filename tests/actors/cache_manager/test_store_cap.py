@@ -19,7 +19,6 @@ from shunter.actors.executor.copies import Copies
 from shunter.actors.executor.file_store import FileStore
 from shunter.actors.executor.host_pool import HostKVPool
 from shunter.actors.executor.kv_pool import KVPool
-from shunter.actors.executor.models.config import ModelConfig
 from shunter.bus.codec import encode
 from shunter.bus.log import LogWriter
 from shunter.bus.messages import (
@@ -46,9 +45,8 @@ from shunter.bus.messages.base import Envelope
 from shunter.bus.replay import replay
 from tests.actors.cache_manager.test_host_tier import Seq, of
 from tests.actors.cache_manager.test_store_tier import make, serve, stored
+from tests.actors.executor.test_host_pool import CFG
 
-CFG = ModelConfig(family="llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=3,
-                  num_heads=4, num_kv_heads=2, head_dim=4)  # fmt: skip
 BLOCK = 4  # tokens (and pages: page_size 1) per block
 FILE_BYTES = 64 + 2 * 3 * BLOCK * 2 * 4 * 4  # header, then K and V: [3, 4, 2, 4] float32
 FP = "tiny-llama/cap"

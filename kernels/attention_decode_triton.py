@@ -44,6 +44,7 @@ the second dot (the usual flash-attention trade, inside the bf16 tolerance).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -275,8 +276,14 @@ def merge_width(num_splits: int, num_kv_heads: int, device: torch.device) -> int
     """The merge's block of splits: wide enough for the most splits any launch on this
     device and model is given (or `num_splits`, if more), so that it is one build of the
     merge kernel, not one per power of two a step's lengths lead to."""
-    most = choose_num_splits(1, num_kv_heads, 1 << 30, _num_sms(device))
-    return triton.next_power_of_2(max(num_splits, most))
+    return max(_widest_merge(num_kv_heads, device), triton.next_power_of_2(num_splits))
+
+
+@functools.cache
+def _widest_merge(num_kv_heads: int, device: torch.device) -> int:
+    """next_power_of_2 of the most splits any launch on `device` gets (once per model:
+    merge_width runs for every eager decode attention)."""
+    return triton.next_power_of_2(choose_num_splits(1, num_kv_heads, 1 << 30, _num_sms(device)))
 
 
 def attention_decode_triton(

@@ -7,9 +7,11 @@ entry without a cached prefix attends over its own new K/V directly (causal SDPA
 gather); one with a prefix gathers its slot table from the pool (the new tokens' K/V
 were stored first) and uses a [num_new, seq_len] mask built once in `plan_extend` and
 shared by all layers. On CUDA no masks are built: the plan carries the device metadata
-of the Triton kernel of kernels/attention_extend_triton.py (`extend_meta`, built once
-per step, imported on first use), and `attention_extend` hands CUDA queries to that
-kernel, which applies the causal mask and the plan's sliding window itself.
+(ExtendMeta, built once per step) of the Triton kernel of
+kernels/attention_extend_triton.py, and `attention_extend` hands CUDA queries to that
+kernel, which applies the causal mask and the plan's sliding window itself. The
+metadata's slot table is a padded copy of the plan's (`extend_meta`) or a runner's
+device row table, which holds every row's slots already (`extend_meta_rows`).
 
 Invariants: q, k, v rows are the entries' new tokens concatenated in entry order.
 """
@@ -21,6 +23,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from shunter.kernels.page_layout import to_device
+
 
 @dataclass(frozen=True)
 class ExtendPlan:
@@ -30,7 +34,7 @@ class ExtendPlan:
     slot_tables: list[torch.Tensor]  # per entry [seq_len] int64
     masks: list[torch.Tensor | None]  # per entry [num_new, seq_len] bool, None = plain causal
     sliding_window: int | None = None
-    device_meta: object | None = None  # ExtendMeta for the Triton kernel (CUDA plans)
+    device_meta: ExtendMeta | None = None  # for the Triton kernel (CUDA plans)
 
 
 def _mask(
@@ -54,9 +58,11 @@ def plan_extend(
     device: torch.device | str = "cpu",
     sliding_window: int | None = None,
     build_masks: bool | None = None,
+    device_meta: ExtendMeta | None = None,
 ) -> ExtendPlan:
     """build_masks: whether the SDPA masks are built; by default only off CUDA, where
-    the plan carries the Triton kernel's metadata instead."""
+    the plan carries the Triton kernel's metadata instead: `device_meta` when the caller
+    has it (an ExtendMeta over its device row table), else built from `slot_tables`."""
     on_cuda = torch.device(device).type == "cuda"
     if build_masks is None:
         build_masks = not on_cuda
@@ -69,14 +75,54 @@ def plan_extend(
         windowed = sliding_window is not None and s > sliding_window
         needed = build_masks and (s > n or windowed)
         masks.append(_mask(n, s, sliding_window).to(device) if needed else None)
-    plan = ExtendPlan(
-        list(num_new_tokens), list(seq_lens), q_starts, list(slot_tables), masks, sliding_window
-    )
-    if on_cuda:
-        from shunter.kernels.attention_extend_triton import extend_meta
-
+    plan = ExtendPlan(list(num_new_tokens), list(seq_lens), q_starts, list(slot_tables), masks,
+                      sliding_window, device_meta)  # fmt: skip
+    if on_cuda and device_meta is None:
         plan = replace(plan, device_meta=extend_meta(plan, torch.device(device)))
     return plan
+
+
+@dataclass(frozen=True)
+class ExtendMeta:
+    """The ExtendPlan as device tensors, shared by every layer of a step (see the
+    module docstring)."""
+
+    table: torch.Tensor  # [R, W] int32 slots; entry e's are row rows[e], from column 0
+    rows: torch.Tensor  # [E] int64
+    q_starts: torch.Tensor  # [E] int64
+    num_new: torch.Tensor  # [E] int64
+    seq_lens: torch.Tensor  # [E] int64
+    max_num_new: int
+    max_seq_len: int
+
+
+def extend_meta(plan: ExtendPlan, device: torch.device) -> ExtendMeta:
+    """A padded copy of the plan's slot tables and its lengths: two copies to `device`."""
+    table = torch.nn.utils.rnn.pad_sequence(
+        [t.to(device="cpu", dtype=torch.int32) for t in plan.slot_tables], batch_first=True
+    )
+    rows = list(range(len(plan.num_new_tokens)))
+    fields = torch.tensor(rows + extend_fields(plan.num_new_tokens, plan.seq_lens))
+    return extend_meta_rows(to_device(table, device), to_device(fields, device),
+                            plan.num_new_tokens, plan.seq_lens)  # fmt: skip
+
+
+def extend_meta_rows(
+    table: torch.Tensor, dev: torch.Tensor, num_new_tokens: list[int], seq_lens: list[int]
+) -> ExtendMeta:
+    """The metadata over a device row table: dev is [4 * E] int64 on the device, the
+    entries' rows of `table`, then the `extend_fields` after them."""
+    num_entries = len(num_new_tokens)
+    rows, q_starts, num_new, lens = dev.view(4, num_entries)
+    return ExtendMeta(table, rows, q_starts, num_new, lens, max(num_new_tokens), max(seq_lens))
+
+
+def extend_fields(num_new_tokens: list[int], seq_lens: list[int]) -> list[int]:
+    """The q_starts, num_new and seq_lens that `extend_meta_rows` reads after the rows."""
+    q_starts = [0]
+    for n in num_new_tokens[:-1]:
+        q_starts.append(q_starts[-1] + n)
+    return q_starts + list(num_new_tokens) + list(seq_lens)
 
 
 def attention_extend_ref(

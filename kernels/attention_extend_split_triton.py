@@ -62,6 +62,7 @@ def _extend_split_kernel(
     mid_o_ptr,
     mid_lse_ptr,
     table_ptr,
+    row_ptr,
     q_start_ptr,
     num_new_ptr,
     seq_len_ptr,
@@ -131,7 +132,7 @@ def _extend_split_kernel(
     l_i = tl.zeros([BLOCK_T * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_T * BLOCK_G, BLOCK_D], tl.float32)
     kv_base = kvh.to(tl.int64) * cache_head_stride
-    table_row = table_ptr + e * table_stride
+    table_row = table_ptr + tl.load(row_ptr + e).to(tl.int64) * table_stride
     for n0 in range(lo, free_end, BLOCK_N):
         m_i, l_i, acc = _attend(
             q, m_i, l_i, acc, k_ptr, v_ptr, table_row, kv_base, n0, hi, q_pos, d, dm,
@@ -228,14 +229,14 @@ def attention_extend_split_triton(
     num_kv_heads = k_cache.shape[1]
     check_attention_operands(q, k_cache, v_cache)
     out = new_output(q, out)
-    num_entries = meta.table.shape[0]
+    num_entries = meta.rows.shape[0]
     if num_tokens == 0 or num_entries == 0:
         return out
     group = num_heads // num_kv_heads
     block_d = max(triton.next_power_of_2(head_dim), 16)
     block_t, block_g, num_warps = split_launch(group, block_d, k_cache.element_size())
     num_blocks = triton.cdiv(meta.max_num_new, block_t)
-    max_len = meta.table.shape[1]  # the longest entry's seq_len
+    max_len = meta.max_seq_len
     block_n = 64
     if num_splits is None:
         num_splits = choose_num_splits(num_entries * num_blocks, num_kv_heads, max_len,
@@ -257,6 +258,7 @@ def attention_extend_split_triton(
         mid_o,
         mid_lse,
         meta.table,
+        meta.rows,
         meta.q_starts,
         meta.num_new,
         meta.seq_lens,

@@ -20,15 +20,13 @@ at least its own key, so every output row has a positive softmax denominator.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from shunter.kernels.attention_decode_triton import INTERPRETED, fix_interpreter_loop_bounds
-from shunter.kernels.attention_extend import ExtendPlan
-from shunter.kernels.page_layout import check_attention_operands, new_output, to_device
+from shunter.kernels.attention_extend import ExtendMeta, ExtendPlan, extend_meta
+from shunter.kernels.page_layout import check_attention_operands, new_output
 
 if INTERPRETED:
     fix_interpreter_loop_bounds()
@@ -78,6 +76,7 @@ def _extend_kernel(
     v_ptr,
     out_ptr,
     table_ptr,
+    row_ptr,
     q_start_ptr,
     num_new_ptr,
     seq_len_ptr,
@@ -132,7 +131,7 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     kv_base = (h // group).to(tl.int64) * cache_head_stride
-    table_row = table_ptr + e * table_stride
+    table_row = table_ptr + tl.load(row_ptr + e).to(tl.int64) * table_stride
     for n0 in range(kv_start, free_end, BLOCK_N):
         m_i, l_i, acc = _attend(
             q, m_i, l_i, acc, k_ptr, v_ptr, table_row, kv_base, n0, kv_end, q_pos, d, dm,
@@ -149,26 +148,6 @@ def _extend_kernel(
         o.to(out_ptr.dtype.element_ty),
         mask=mm[:, None] & dm[None, :],
     )
-
-
-@dataclass(frozen=True)
-class ExtendMeta:
-    """The ExtendPlan as device tensors, built once per step and shared by every layer."""
-
-    table: torch.Tensor  # [E, max_seq_len] int64 slots, padded with 0
-    q_starts: torch.Tensor  # [E] int32
-    num_new: torch.Tensor  # [E] int32
-    seq_lens: torch.Tensor  # [E] int32
-    max_num_new: int
-
-
-def extend_meta(plan: ExtendPlan, device: torch.device) -> ExtendMeta:
-    table = torch.nn.utils.rnn.pad_sequence(
-        [to_device(t, device) for t in plan.slot_tables], batch_first=True, padding_value=0
-    )
-    host = torch.tensor([plan.q_starts, plan.num_new_tokens, plan.seq_lens], dtype=torch.int32)
-    dev = to_device(host, device)
-    return ExtendMeta(table.contiguous(), dev[0], dev[1], dev[2], max(plan.num_new_tokens))
 
 
 def extend_launch(max_num_new: int, block_d: int, elem_bytes: int) -> tuple[int, int, int, int]:
@@ -219,7 +198,7 @@ def attention_extend_triton(
     num_kv_heads = k_cache.shape[1]
     check_attention_operands(q, k_cache, v_cache)
     out = new_output(q, out)
-    num_entries = meta.table.shape[0]
+    num_entries = meta.rows.shape[0]
     if num_tokens == 0 or num_entries == 0:
         return out
     block_d = max(triton.next_power_of_2(head_dim), 16)
@@ -233,6 +212,7 @@ def attention_extend_triton(
         v_cache,
         out,
         meta.table,
+        meta.rows,
         meta.q_starts,
         meta.num_new,
         meta.seq_lens,

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 from shunter.kernels.attention_decode import attention_decode_torch, plan_decode
 from shunter.kernels.attention_decode_triton import attention_decode_triton
-from shunter.kernels.attention_extend import attention_extend_torch, plan_extend
-from shunter.kernels.attention_extend_triton import attention_extend_triton, extend_meta
+from shunter.kernels.attention_extend import attention_extend_torch, extend_meta, plan_extend
+from shunter.kernels.attention_extend_triton import attention_extend_triton
 from shunter.kernels.kv_store import kv_store_ref, kv_store_torch
 from shunter.kernels.kv_store_triton import kv_store_triton
 from shunter.kernels.rmsnorm import (

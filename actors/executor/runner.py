@@ -49,6 +49,7 @@ from shunter.actors.executor.models.attention import (
 from shunter.actors.executor.models.config import ModelConfig
 from shunter.actors.executor.models.llama import LlamaForCausalLM
 from shunter.actors.executor.slot_table import DeviceSlotTable, PinnedStager, long_tensor
+from shunter.kernels.attention_extend import extend_fields, extend_meta_rows
 from shunter.kernels.page_layout import to_device
 
 log = structlog.get_logger(actor="executor")
@@ -321,22 +322,27 @@ class ModelRunner:
         n = inp.num_new_tokens
         num_tokens = out_slots.shape[0]
         dec = [i for i, k in enumerate(n) if k == 1]
+        ext = [i for i, k in enumerate(n) if k != 1]
         if self.flashinfer is not None and table is None:
             raise ValueError("the flashinfer backend needs ForwardInput.row_ids")
         # flashinfer plans the step unless it is all decode and decode_backend picks the
         # Triton kernel over the row table for its size
         use_fi = self.flashinfer is not None and (
-            len(dec) < len(n) or self.decode_backend(len(n)) == "flashinfer"
+            bool(ext) or self.decode_backend(len(n)) == "flashinfer"
         )
-        use_rows = table is not None and not use_fi and bool(dec)
+        # the Triton kernels read the entries' slots from the row table
+        dec_rows = table is not None and not use_fi and bool(dec)
+        ext_rows = table is not None and not use_fi and bool(ext)
         ids_host = inp.input_ids.device.type == "cpu"
         parts = [inp.positions, out_slots] + ([inp.input_ids] if ids_host else [])
         if use_fi:
             parts.append(long_tensor(inp.row_ids))
-        elif use_rows:
-            assert inp.row_ids is not None
-            parts += [long_tensor([inp.row_ids[i] for i in dec]),
-                      long_tensor([inp.seq_lens[i] for i in dec])]  # fmt: skip
+        rows = inp.row_ids or []
+        ext_n, ext_lens = [n[i] for i in ext], [inp.seq_lens[i] for i in ext]
+        if dec_rows:
+            parts.append(long_tensor([rows[i] for i in dec] + [inp.seq_lens[i] for i in dec]))
+        if ext_rows:
+            parts.append(long_tensor([rows[i] for i in ext] + extend_fields(ext_n, ext_lens)))
         dev = self.stager.stage(parts)
         positions, slots = dev[:num_tokens], dev[num_tokens : 2 * num_tokens]
         at = 2 * num_tokens
@@ -348,13 +354,19 @@ class ModelRunner:
         kv = (self.kv_pool.k_buffers, self.kv_pool.v_buffers)
         if use_fi:
             return self._flashinfer_context(inp, slots, dev[at:]), ids, positions
-        rd = None
-        if use_rows:
+        rd = meta = None
+        if dec_rows:
             assert table is not None
-            rows, lens = dev[at : at + len(dec)], dev[at + len(dec) :]
-            rd = RowDecode(table.table, rows, lens, max(inp.seq_lens[i] for i in dec))
+            num_dec = len(dec)
+            rows_dev, lens_dev = dev[at : at + num_dec], dev[at + num_dec : at + 2 * num_dec]
+            rd = RowDecode(table.table, rows_dev, lens_dev, max(inp.seq_lens[i] for i in dec))
+            at += 2 * num_dec
+        if ext_rows:
+            assert table is not None
+            meta = extend_meta_rows(table.table, dev[at : at + 4 * len(ext)], ext_n, ext_lens)
         ctx = build_attention_context(*kv, n, inp.seq_lens, inp.slot_tables, device=self.device,
-                                      sliding_window=sw, out_slots=slots, row_decode=rd)  # fmt: skip
+                                      sliding_window=sw, out_slots=slots, row_decode=rd,
+                                      extend_meta=meta)  # fmt: skip
         return ctx, ids, positions
 
     def decode_context(

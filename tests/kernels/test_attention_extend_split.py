@@ -15,12 +15,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from shunter.kernels import attention_extend_split_triton as short
-from shunter.kernels.attention_extend import plan_extend
+from shunter.kernels.attention_extend import (
+    extend_fields,
+    extend_meta,
+    extend_meta_rows,
+    plan_extend,
+)
 from shunter.kernels.attention_extend_split_triton import (
     attention_extend_split_triton,
     split_launch,
 )
-from shunter.kernels.attention_extend_triton import attention_extend_triton, extend_meta
+from shunter.kernels.attention_extend_triton import attention_extend_triton
 from tests.kernels.test_attention_triton import DEVICE, TOL, _extend_case, _extend_expected
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -109,3 +114,25 @@ def test_split_extend_llama8b_heads_on_gpu(page_size):
     num_new, seq_lens = [32, 1, 64, 7], [2080, 9000, 4160, 7]
     out, want, _ = _run(32, 8, 128, num_new, seq_lens, page_size, torch.bfloat16)
     torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_extend_kernels_read_entries_from_a_device_row_table(split):
+    """Metadata over a runner's row table (extend_meta_rows): each entry's slots are a
+    row of a wider table, at rows out of order, beside rows of other requests; both
+    kernels give what they give over the padded copy of the same slot tables."""
+    num_new, seq_lens = [4, 20, 2], [90, 20, 37]
+    q, kc, vc, tables = _extend_case(8, 2, 16, num_new, seq_lens, 16, torch.float32, 11)
+    plan = plan_extend(num_new, seq_lens, tables, device=DEVICE)
+    padded = extend_meta(plan, torch.device(DEVICE))
+    rows = [5, 0, 3]
+    g = torch.Generator().manual_seed(2)
+    table = torch.randint(0, kc.shape[0], (7, 128), generator=g, dtype=torch.int32)
+    for r, t in zip(rows, tables, strict=True):
+        table[r, : t.shape[0]] = t.to(torch.int32)
+    fields = torch.tensor(rows + extend_fields(num_new, seq_lens), device=DEVICE)
+    meta = extend_meta_rows(table.to(DEVICE), fields, num_new, seq_lens)
+    assert (meta.max_num_new, meta.max_seq_len) == (20, 90)
+    got = attention_extend_triton(q, None, None, kc, vc, meta, 0.25, split=split)
+    want = attention_extend_triton(q, None, None, kc, vc, padded, 0.25, split=split)
+    assert torch.equal(got, want)

@@ -22,12 +22,8 @@ if not torch.cuda.is_available():
 
 from shunter.kernels.attention_decode import attention_decode_ref, plan_decode, plan_decode_rows
 from shunter.kernels.attention_decode_triton import attention_decode_triton, choose_num_splits
-from shunter.kernels.attention_extend import attention_extend_ref, plan_extend
-from shunter.kernels.attention_extend_triton import (
-    attention_extend_triton,
-    extend_launch,
-    extend_meta,
-)
+from shunter.kernels.attention_extend import attention_extend_ref, extend_meta, plan_extend
+from shunter.kernels.attention_extend_triton import attention_extend_triton, extend_launch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

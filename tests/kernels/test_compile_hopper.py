@@ -113,9 +113,9 @@ def compile_all() -> dict[str, dict]:
 
     for dtype, elem, window, direct in SPLIT_EXTEND_VARIANTS:
         ptrs = {**{n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")},
-                "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "table_ptr": "*i64",
-                "q_start_ptr": "*i32", "num_new_ptr": "*i32", "seq_len_ptr": "*i32",
-                "scale": "fp32"}  # fmt: skip
+                "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "table_ptr": "*i32",
+                "row_ptr": "*i64", "q_start_ptr": "*i64", "num_new_ptr": "*i64",
+                "seq_len_ptr": "*i64", "scale": "fp32"}  # fmt: skip
         block_t, block_g, warps = est.split_launch(4, 128, elem)  # the 8B head shape
         consts = dict(HAS_WINDOW=window, DIRECT=direct, IEEE=dtype == "fp32", UPCAST=False,
                       BLOCK_T=block_t, BLOCK_G=block_g, BLOCK_N=64, BLOCK_D=128)  # fmt: skip

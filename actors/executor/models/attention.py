@@ -6,8 +6,9 @@ through a padded decode plan; entries with several new tokens (prefill / extend)
 through the extend plan. Both plans are built once and shared by every layer, so the
 per-layer cost is the KV store plus one or two attention calls.
 
-With a device row table (actors/executor/slot_table.py) the decode plan reads the
-entries' rows of that table instead of a padded copy of their slot tables. Under the
+With a device row table (actors/executor/slot_table.py) the decode plan and the Triton
+extend kernel's metadata read the entries' rows of that table instead of a padded
+copy of their slot tables. Under the
 flashinfer backend one planned flashinfer wrapper (`ctx.flashinfer`) attends every
 entry of the step: its decode wrapper when all entries decode, else its prefill
 wrapper (a decode entry is an extend of one token there). An all-decode step the
@@ -32,7 +33,12 @@ from shunter.kernels.attention_decode import (
     plan_decode,
     plan_decode_rows,
 )
-from shunter.kernels.attention_extend import ExtendPlan, attention_extend, plan_extend
+from shunter.kernels.attention_extend import (
+    ExtendMeta,
+    ExtendPlan,
+    attention_extend,
+    plan_extend,
+)
 from shunter.kernels.kv_store import kv_store
 from shunter.kernels.page_layout import to_device
 
@@ -81,9 +87,12 @@ def build_attention_context(
     sliding_window: int | None = None,
     out_slots: torch.Tensor | None = None,
     row_decode: RowDecode | None = None,
+    extend_meta: ExtendMeta | None = None,
 ) -> AttentionContext:
     """out_slots: the new tokens' slots already on the device (else gathered here);
-    row_decode: read the decode entries' KV through a device row table."""
+    row_decode: read the decode entries' KV through a device row table; extend_meta:
+    the extend entries' Triton metadata over that table (an ExtendMeta), else built
+    from their slot tables."""
     if out_slots is None:
         out_slots = to_device(
             torch.cat(
@@ -113,9 +122,10 @@ def build_attention_context(
         extend_plan = plan_extend(
             [num_new_tokens[i] for i in ext],
             [seq_lens[i] for i in ext],
-            [to_device(slot_tables[i][: seq_lens[i]], device) for i in ext],
+            [slot_tables[i][: seq_lens[i]] for i in ext],
             device=device,
             sliding_window=sliding_window,
+            device_meta=extend_meta,
         )
     if dec and ext and _one_run(dec) and _one_run(ext):  # two runs of rows: slices
         num_dec, num_ext = len(dec), sum(num_new_tokens[i] for i in ext)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from shunter.actors.executor import backends as backends_mod
+from shunter.actors.executor import runner as runner_mod
 from shunter.actors.executor.backends import (
     TRITON_DECODE_MAX_BS,
     decode_backend_for,
@@ -22,6 +23,7 @@ from shunter.actors.executor.backends import (
 from shunter.actors.executor.cuda_graph import DecodeGraphs, capture_sizes
 from shunter.actors.executor.kv_pool import KVPool
 from shunter.actors.executor.loader import load_model
+from shunter.actors.executor.models.attention import build_attention_context
 from shunter.actors.executor.runner import ForwardInput, ModelRunner
 
 
@@ -338,3 +340,37 @@ def test_stager_grows_its_whole_ring_at_the_first_long_staging():
         assert torch.equal(st.stage([v[:7], v[7:]]).cpu(), v)
         if i == 1:
             assert st.capacity >= 999
+
+
+def test_extend_entries_read_their_slots_from_the_row_table(tiny_model_dir, monkeypatch):
+    """With a row table, a step's extend entries get Triton metadata over that table
+    (their rows and lengths, no padded copy of their slot tables), and those rows hold
+    their slots when the step runs; the logits match the plain runner's."""
+    model, config = load_model(str(tiny_model_dir("llama")), progress=False)
+    plain = ModelRunner(model, KVPool(config, 64))
+    tab = ModelRunner(model, KVPool(config, 64), attention_backend="torch", max_num_rows=8,
+                      max_context_len=64, slot_table=True)  # fmt: skip
+    contexts = []
+
+    def spy(*args, **kwargs):
+        contexts.append(build_attention_context(*args, **kwargs))
+        return contexts[-1]
+
+    monkeypatch.setattr(runner_mod, "build_attention_context", spy)
+    s = Script(1)
+    # prefills; then a decode beside a new row's prefill and a continued row's extend
+    for entries in ([(3, 5), (0, 9)], [(3, 1), (6, 4), (0, 3)]):
+        inp = s.step(entries)
+        got = tab.forward(inp)
+        meta = contexts[-1].extend_plan.device_meta
+        ext = [(r, n) for r, n in entries if n > 1]
+        assert meta.table is tab.slot_table.table
+        assert meta.rows.tolist() == [r for r, _ in ext]
+        assert meta.num_new.tolist() == [n for _, n in ext]
+        assert meta.seq_lens.tolist() == [len(s.slots[r]) for r, _ in ext]
+        assert meta.q_starts.tolist() == [0, ext[0][1]]
+        assert (meta.max_num_new, meta.max_seq_len) == (max(n for _, n in ext),
+                                                        max(meta.seq_lens.tolist()))  # fmt: skip
+        for r, _ in ext:
+            assert meta.table[r, : len(s.slots[r])].tolist() == s.slots[r]
+        torch.testing.assert_close(got, plain.forward(inp), atol=1e-5, rtol=1e-5)

@@ -102,27 +102,29 @@ def extend_meta(plan: ExtendPlan, device: torch.device) -> ExtendMeta:
         [t.to(device="cpu", dtype=torch.int32) for t in plan.slot_tables], batch_first=True
     )
     rows = list(range(len(plan.num_new_tokens)))
-    fields = torch.tensor(rows + extend_fields(plan.num_new_tokens, plan.seq_lens))
+    fields = torch.tensor(extend_fields(rows, plan.num_new_tokens, plan.seq_lens))
     return extend_meta_rows(to_device(table, device), to_device(fields, device),
                             plan.num_new_tokens, plan.seq_lens)  # fmt: skip
 
 
-def extend_meta_rows(
-    table: torch.Tensor, dev: torch.Tensor, num_new_tokens: list[int], seq_lens: list[int]
-) -> ExtendMeta:
-    """The metadata over a device row table: dev is [4 * E] int64 on the device, the
-    entries' rows of `table`, then the `extend_fields` after them."""
-    num_entries = len(num_new_tokens)
-    rows, q_starts, num_new, lens = dev.view(4, num_entries)
-    return ExtendMeta(table, rows, q_starts, num_new, lens, max(num_new_tokens), max(seq_lens))
-
-
-def extend_fields(num_new_tokens: list[int], seq_lens: list[int]) -> list[int]:
-    """The q_starts, num_new and seq_lens that `extend_meta_rows` reads after the rows."""
+def extend_fields(rows: list[int], num_new_tokens: list[int], seq_lens: list[int]) -> list[int]:
+    """The flat int64 fields `extend_meta_rows` reads: four vectors (rows, q_starts,
+    num_new, seq_lens), each padded to an even length so that, on a 16-byte boundary,
+    all four start on one (Triton builds a kernel per alignment of its pointers)."""
     q_starts = [0]
     for n in num_new_tokens[:-1]:
         q_starts.append(q_starts[-1] + n)
-    return q_starts + list(num_new_tokens) + list(seq_lens)
+    pad = [0] * (len(rows) % 2)
+    return [*rows, *pad, *q_starts, *pad, *num_new_tokens, *pad, *seq_lens, *pad]
+
+
+def extend_meta_rows(
+    table: torch.Tensor, fields: torch.Tensor, num_new_tokens: list[int], seq_lens: list[int]
+) -> ExtendMeta:
+    """The metadata over a device row table, from `extend_fields` on the device."""
+    num_entries = len(num_new_tokens)
+    rows, q_starts, num_new, lens = fields.view(4, num_entries + num_entries % 2)[:, :num_entries]
+    return ExtendMeta(table, rows, q_starts, num_new, lens, max(num_new_tokens), max(seq_lens))
 
 
 def attention_extend_ref(

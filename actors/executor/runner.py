@@ -318,9 +318,8 @@ class ModelRunner:
         self, inp: ForwardInput, out_slots: torch.Tensor, table: DeviceSlotTable | None
     ) -> tuple[AttentionContext, torch.Tensor, torch.Tensor]:
         """The step's attention context and its ids and positions on the device, every
-        host vector staged in one copy."""
+        host vector staged in one copy (each on a 16-byte boundary: stage_views)."""
         n = inp.num_new_tokens
-        num_tokens = out_slots.shape[0]
         dec = [i for i, k in enumerate(n) if k == 1]
         ext = [i for i, k in enumerate(n) if k != 1]
         if self.flashinfer is not None and table is None:
@@ -334,36 +333,33 @@ class ModelRunner:
         dec_rows = table is not None and not use_fi and bool(dec)
         ext_rows = table is not None and not use_fi and bool(ext)
         ids_host = inp.input_ids.device.type == "cpu"
-        parts = [inp.positions, out_slots] + ([inp.input_ids] if ids_host else [])
-        if use_fi:
-            parts.append(long_tensor(inp.row_ids))
         rows = inp.row_ids or []
         ext_n, ext_lens = [n[i] for i in ext], [inp.seq_lens[i] for i in ext]
-        if dec_rows:
-            parts.append(long_tensor([rows[i] for i in dec] + [inp.seq_lens[i] for i in dec]))
-        if ext_rows:
-            parts.append(long_tensor([rows[i] for i in ext] + extend_fields(ext_n, ext_lens)))
-        dev = self.stager.stage(parts)
-        positions, slots = dev[:num_tokens], dev[num_tokens : 2 * num_tokens]
-        at = 2 * num_tokens
+        host = {"positions": inp.positions, "slots": out_slots}
         if ids_host:
-            ids, at = dev[at : at + num_tokens], at + num_tokens
-        else:  # already on the device (gathered from the last samples)
-            ids = inp.input_ids
-        sw = self.config.sliding_window
-        kv = (self.kv_pool.k_buffers, self.kv_pool.v_buffers)
+            host["ids"] = inp.input_ids
         if use_fi:
-            return self._flashinfer_context(inp, slots, dev[at:]), ids, positions
+            host["fi_rows"] = long_tensor(rows)
+        if dec_rows:
+            host["dec_rows"] = long_tensor([rows[i] for i in dec])
+            host["dec_lens"] = long_tensor([inp.seq_lens[i] for i in dec])
+        if ext_rows:
+            host["ext"] = long_tensor(extend_fields([rows[i] for i in ext], ext_n, ext_lens))
+        dev = dict(zip(host, self.stager.stage_views(list(host.values())), strict=True))
+        positions, slots = dev["positions"], dev["slots"]
+        ids = dev["ids"] if ids_host else inp.input_ids  # else gathered from the last samples
+        if use_fi:
+            return self._flashinfer_context(inp, slots, dev["fi_rows"]), ids, positions
+        kv = (self.kv_pool.k_buffers, self.kv_pool.v_buffers)
         rd = meta = None
         if dec_rows:
             assert table is not None
-            num_dec = len(dec)
-            rows_dev, lens_dev = dev[at : at + num_dec], dev[at + num_dec : at + 2 * num_dec]
-            rd = RowDecode(table.table, rows_dev, lens_dev, max(inp.seq_lens[i] for i in dec))
-            at += 2 * num_dec
+            max_len = max(inp.seq_lens[i] for i in dec)
+            rd = RowDecode(table.table, dev["dec_rows"], dev["dec_lens"], max_len)
         if ext_rows:
             assert table is not None
-            meta = extend_meta_rows(table.table, dev[at : at + 4 * len(ext)], ext_n, ext_lens)
+            meta = extend_meta_rows(table.table, dev["ext"], ext_n, ext_lens)
+        sw = self.config.sliding_window
         ctx = build_attention_context(*kv, n, inp.seq_lens, inp.slot_tables, device=self.device,
                                       sliding_window=sw, out_slots=slots, row_decode=rd,
                                       extend_meta=meta)  # fmt: skip

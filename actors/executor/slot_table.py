@@ -46,6 +46,7 @@ RING = 8  # staging buffers; the host runs at most this many copies ahead of the
 # Batches of up to this many entries write their rows' cells as slices (a long prefill:
 # one slice copy, no 8k-element index vectors); larger ones in one scatter.
 SLICE_MAX_ENTRIES = 8
+_ONE_ZERO = torch.zeros(1, dtype=torch.int64)
 
 
 def long_tensor(values: Sequence[int]) -> torch.Tensor:
@@ -108,6 +109,24 @@ class PinnedStager:
         ev.record()
         self._events[i] = ev
         return out
+
+    def stage_views(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each host int64 vector of `parts` on the device, all in one copy, as views
+        that start on 16-byte boundaries: Triton builds a kernel once per alignment of
+        its pointer arguments, so a view at an odd offset would cost the step a build
+        of its own (a second or more) the first time its parity came round."""
+        padded: list[torch.Tensor] = []
+        spans: list[tuple[int, int]] = []
+        at = 0
+        for p in parts:
+            n = p.numel()
+            padded.append(p.reshape(-1))
+            if n % 2:
+                padded.append(_ONE_ZERO)
+            spans.append((at, n))
+            at += n + n % 2
+        dev = self.stage(padded)
+        return [dev[a : a + n] for a, n in spans]
 
 
 class DeviceSlotTable:

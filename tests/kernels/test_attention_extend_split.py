@@ -130,7 +130,7 @@ def test_extend_kernels_read_entries_from_a_device_row_table(split):
     table = torch.randint(0, kc.shape[0], (7, 128), generator=g, dtype=torch.int32)
     for r, t in zip(rows, tables, strict=True):
         table[r, : t.shape[0]] = t.to(torch.int32)
-    fields = torch.tensor(rows + extend_fields(num_new, seq_lens), device=DEVICE)
+    fields = torch.tensor(extend_fields(rows, num_new, seq_lens), device=DEVICE)
     meta = extend_meta_rows(table.to(DEVICE), fields, num_new, seq_lens)
     assert (meta.max_num_new, meta.max_seq_len) == (20, 90)
     got = attention_extend_triton(q, None, None, kc, vc, meta, 0.25, split=split)

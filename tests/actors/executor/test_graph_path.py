@@ -25,6 +25,7 @@ from shunter.actors.executor.kv_pool import KVPool
 from shunter.actors.executor.loader import load_model
 from shunter.actors.executor.models.attention import build_attention_context
 from shunter.actors.executor.runner import ForwardInput, ModelRunner
+from shunter.actors.executor.slot_table import PinnedStager, long_tensor
 
 
 class Script:
@@ -345,7 +346,9 @@ def test_stager_grows_its_whole_ring_at_the_first_long_staging():
 def test_extend_entries_read_their_slots_from_the_row_table(tiny_model_dir, monkeypatch):
     """With a row table, a step's extend entries get Triton metadata over that table
     (their rows and lengths, no padded copy of their slot tables), and those rows hold
-    their slots when the step runs; the logits match the plain runner's."""
+    their slots when the step runs; every staged vector a kernel reads starts on a
+    16-byte boundary, whatever the step's token and entry counts (Triton would build a
+    kernel again for another alignment); the logits match the plain runner's."""
     model, config = load_model(str(tiny_model_dir("llama")), progress=False)
     plain = ModelRunner(model, KVPool(config, 64))
     tab = ModelRunner(model, KVPool(config, 64), attention_backend="torch", max_num_rows=8,
@@ -358,19 +361,33 @@ def test_extend_entries_read_their_slots_from_the_row_table(tiny_model_dir, monk
 
     monkeypatch.setattr(runner_mod, "build_attention_context", spy)
     s = Script(1)
-    # prefills; then a decode beside a new row's prefill and a continued row's extend
-    for entries in ([(3, 5), (0, 9)], [(3, 1), (6, 4), (0, 3)]):
+    # prefills; a decode beside a new row's prefill and a continued row's extend; then
+    # odd token and entry counts
+    for entries in ([(3, 5), (0, 9)], [(3, 1), (6, 4), (0, 3)], [(6, 1), (3, 2)]):
         inp = s.step(entries)
         got = tab.forward(inp)
-        meta = contexts[-1].extend_plan.device_meta
+        ctx = contexts[-1]
+        meta = ctx.extend_plan.device_meta
         ext = [(r, n) for r, n in entries if n > 1]
         assert meta.table is tab.slot_table.table
         assert meta.rows.tolist() == [r for r, _ in ext]
         assert meta.num_new.tolist() == [n for _, n in ext]
         assert meta.seq_lens.tolist() == [len(s.slots[r]) for r, _ in ext]
-        assert meta.q_starts.tolist() == [0, ext[0][1]]
+        assert meta.q_starts.tolist() == [0, ext[0][1]][: len(ext)]
         assert (meta.max_num_new, meta.max_seq_len) == (max(n for _, n in ext),
                                                         max(meta.seq_lens.tolist()))  # fmt: skip
         for r, _ in ext:
             assert meta.table[r, : len(s.slots[r])].tolist() == s.slots[r]
+        staged = [ctx.out_slots, meta.rows, meta.q_starts, meta.num_new, meta.seq_lens]
+        if ctx.decode_plan is not None:
+            staged += [ctx.decode_plan.rows, ctx.decode_plan.kv_lens]
+        assert all(t.data_ptr() % 16 == 0 for t in staged)
         torch.testing.assert_close(got, plain.forward(inp), atol=1e-5, rtol=1e-5)
+
+
+def test_staged_views_start_on_16_byte_boundaries():
+    stager = PinnedStager(torch.device("cpu"))
+    parts = [long_tensor(list(range(n))) for n in (3, 1, 0, 4, 7, 2)]
+    views = stager.stage_views(parts)
+    for p, v in zip(parts, views, strict=True):
+        assert torch.equal(p, v) and v.data_ptr() % 16 == 0

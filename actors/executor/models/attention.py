@@ -8,12 +8,11 @@ per-layer cost is the KV store plus one or two attention calls.
 
 With a device row table (actors/executor/slot_table.py) the decode plan and the Triton
 extend kernel's metadata read the entries' rows of that table instead of a padded
-copy of their slot tables. Under the
-flashinfer backend one planned flashinfer wrapper (`ctx.flashinfer`) attends every
-entry of the step: its decode wrapper when all entries decode, else its prefill
-wrapper (a decode entry is an extend of one token there). An all-decode step the
-runner gives to the Triton kernel instead (`--decode-attention-backend`, runner.py)
-comes with a row decode plan and no wrapper.
+copy of their slot tables. Under the flashinfer backend one planned flashinfer
+wrapper (`ctx.flashinfer`) attends every entry of the step: its decode wrapper when
+all entries decode, else its prefill wrapper (a decode entry is an extend of one
+token there). An all-decode step the runner gives to the Triton kernel instead
+(`--decode-attention-backend`, runner.py) comes with a row decode plan and no wrapper.
 
 Invariants: `out_slots[t]` is the slot of new token t; decode_rows and extend_rows
 partition range(num_tokens) (either may be empty, then its plan is None); when

@@ -63,7 +63,7 @@ from shunter.actors.grammar.lexical import (
     multiples,
     numbers,
 )
-from shunter.actors.grammar.regex import MAX_CONSTRAINT_CHARS, PatternTooLarge
+from shunter.actors.grammar.regex import MAX_CONSTRAINT_CHARS, Nfa, PatternTooLarge
 
 MAX_DEPTH = 16
 JSON_OBJECT_DEPTH = 3
@@ -236,19 +236,9 @@ class _Converter:
         return self.d.string
 
     def pattern(self, pattern: str) -> str:
-        """A string's `pattern`, its anchors dropped, checked on its own (so that it
-        cannot close the group it is put in)."""
-        from shunter.actors.grammar.regex import Nfa
-
         if not isinstance(pattern, str):
             raise self.fail("'pattern' must be a string")
-        body = pattern[1:] if pattern.startswith("^") else pattern
-        if body.endswith("$"):
-            backslashes = len(body) - 1 - len(body[:-1].rstrip("\\"))
-            if backslashes % 2 == 0:  # not an escaped "\\$"
-                body = body[:-1]
-        Nfa(body or "(?:)", param="json_schema pattern", max_states=100_000)
-        return body
+        return whole_match_body(pattern, "json_schema pattern")
 
     def obj(self, node: dict, depth: int) -> str | None:
         if "properties" not in node:
@@ -319,6 +309,19 @@ def json_object_arg(value: Any, name: str) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be a JSON object")
     return value
+
+
+def whole_match_body(pattern: str, param: str) -> str:
+    """A pattern that is matched whole, its anchors dropped (a leading ^ and a trailing
+    $ change nothing), checked on its own (so that it cannot close the group it is put
+    in); ValueError naming `param` if refused."""
+    body = pattern[1:] if pattern.startswith("^") else pattern
+    if body.endswith("$"):
+        backslashes = len(body) - 1 - len(body[:-1].rstrip("\\"))
+        if backslashes % 2 == 0:  # not an escaped "\\$"
+            body = body[:-1]
+    Nfa(body or "(?:)", param=param, max_states=100_000)
+    return body
 
 
 def schema_regex(schema: dict | str) -> str:

@@ -9,6 +9,10 @@ in which no trigger occurs (regex.py's `(?A:...)` group) and S the alternatives
 begin + schema + end. So a model may answer in prose, and a call it starts is held to
 its schema until its end tag.
 
+The newer format-object form, `{"type": "structural_tag", "format": {...}}`, is told
+apart by its `format` and written by structural_format.py (this form is its
+triggered_tags with json_schema contents).
+
 Invariants: every structure's begin starts with a trigger (else its text could not
 follow free text), triggers and begins are non-empty; refused with a ValueError that
 names what is wrong.
@@ -20,6 +24,7 @@ import re
 from typing import Any
 
 from shunter.actors.grammar.json_schema import json_object_arg, schema_regex
+from shunter.actors.grammar.structural_format import format_regex
 
 
 def _fail(why: str) -> ValueError:
@@ -28,8 +33,11 @@ def _fail(why: str) -> ValueError:
 
 def structural_tag_regex(spec: dict[str, Any] | str) -> str:
     """The pattern of outputs the structural tag `spec` allows (module docstring):
-    {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}, "type" ignored."""
+    {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}, or {"format":
+    {...}} (structural_format.py); "type" ignored."""
     spec = json_object_arg(spec, "structural_tag")
+    if "format" in spec:
+        return format_regex(spec["format"])
     structures, triggers = spec.get("structures"), spec.get("triggers")
     if not isinstance(triggers, list) or not triggers:
         raise _fail("triggers must be a non-empty list of strings")

@@ -131,6 +131,7 @@ class ResponseFormat(msgspec.Struct):
     schema: dict[str, Any] | None = None  # vLLM/SGLang also take it here
     structures: list[Any] | None = None  # type structural_tag (SGLang)
     triggers: list[Any] | None = None
+    format: Any = None  # type structural_tag, the format-object form (xgrammar's)
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -223,6 +224,8 @@ def constraint_regex(req: Any, fmt: Any = None, fmt_param: str = "response_forma
         if fmt.type == "json_object":
             return json_object()
         if fmt.type == "structural_tag":
+            if getattr(fmt, "format", None) is not None:
+                return structural_tag_regex({"format": fmt.format})
             return structural_tag_regex(
                 {
                     "structures": getattr(fmt, "structures", None),

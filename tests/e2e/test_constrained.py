@@ -140,6 +140,44 @@ def test_chat_with_a_structural_tag_answers_in_prose_or_well_formed_calls(client
         assert regex.fullmatch(f"{free}(?:{call}{free})*", text, partial=True), text
 
 
+def test_chat_and_generate_with_a_format_object_structural_tag_keep_to_it(server, client, model):
+    """The format-object form (xgrammar's): a fixed lead-in then exactly one call on chat,
+    a sequence of a const_string, an `or` and a const_string on /generate (SGLang's
+    sampling_params.structural_tag, as JSON text)."""
+    from shunter.actors.grammar.json_schema import schema_regex
+
+    schema = {"type": "object", "required": ["city"],
+              "properties": {"city": {"type": "string", "maxLength": 20}}}  # fmt: skip
+    call = {"type": "tag", "begin": "<function=get_weather>", "end": "</function>",
+            "content": {"type": "json_schema", "json_schema": schema}}  # fmt: skip
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "Calling: "},
+        {"type": "triggered_tags", "triggers": ["<function="], "tags": [call],
+         "at_least_one": True, "stop_after_first": True}]}}  # fmt: skip
+    r = client.chat.completions.create(
+        model=model, temperature=0, max_tokens=64, response_format=tag,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+    )  # fmt: skip
+    text = r.choices[0].message.content
+    whole = (
+        re.escape("Calling: <function=get_weather>")
+        + schema_regex(schema)
+        + re.escape("</function>")
+    )
+    assert r.choices[0].finish_reason == "stop", text
+    assert re.fullmatch(whole, text), text
+    answer = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "The answer is "},
+        {"type": "or", "elements": [{"type": "const_string", "value": v} for v in ("yes", "no")]},
+        {"type": "const_string", "value": "."}]}}  # fmt: skip
+    status, out = post(server, "/generate", {
+        "text": "Is the sky blue?", "sampling_params": {
+            "temperature": 0, "max_new_tokens": 16, "structural_tag": json.dumps(answer)}})  # fmt: skip
+    assert status == 200, out
+    assert re.fullmatch(r"The answer is (yes|no)\.", out["text"]), out["text"]
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
@@ -151,6 +189,20 @@ def test_chat_with_a_structural_tag_answers_in_prose_or_well_formed_calls(client
             "structural_tag",
             "structures",
         ),
+        (
+            {
+                "response_format": {
+                    "type": "structural_tag",
+                    "format": {
+                        "type": "triggered_tags",
+                        "triggers": ["<f"],
+                        "tags": [{"begin": "<g>", "content": {"type": "any_text"}, "end": "</g>"}],
+                    },
+                }
+            },
+            "response_format",
+            "format.tags[0].begin '<g>' starts with none of the triggers",
+        ),
         ({"regex": "a", "json_schema": {"type": "integer"}}, "json_schema", "at most one"),
         ({"response_format": {"type": "xml"}}, "response_format", "xml"),
     ],
@@ -159,6 +211,7 @@ def test_unsupported_constraints_are_400s_that_say_why(server, body, param, word
     status, err = post(server, "/v1/chat/completions", {
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body})  # fmt: skip
     assert status == 400, err
+    assert set(err["error"]) == {"message", "type", "param", "code"}, err  # OpenAI's shape
     assert words in err["error"]["message"]
     if param:
         assert err["error"]["param"] == param

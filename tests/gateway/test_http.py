@@ -62,6 +62,15 @@ def _assert_error(r, status, param=None, code=None, words=None):
         ("/v1/completions", {"prompt": "x", "ebnf": "root ::= a"}, 400, "ebnf", "not defined"),
         ("/v1/completions", {"prompt": "x", "structural_tag": {}}, 400, "structural_tag",
          "triggers"),
+        ("/v1/completions", {"prompt": "x", "structural_tag": {"format": {"type": "sparkle"}}}, 400,
+         "structural_tag", "format.type 'sparkle'"),
+        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "structural_tag", "format": {
+            "type": "sequence", "elements": [{"type": "const_string", "value": "a"}, {"type": "tag",
+            "begin": {"type": "token", "token": 5}, "content": {"type": "any_text"}, "end": "</t>"}]}}},
+         400, "response_format", "format.elements[1].begin is a token format"),
+        ("/generate", {"text": "x", "sampling_params": {"structural_tag": json.dumps(
+            {"type": "structural_tag", "format": {"type": "any_text", "max_chars": 8}})}}, 400,
+         "structural_tag", "format.max_chars"),
         ("/v1/completions", {"prompt": "x", "json_schema": {"type": "object", "patternProperties": {}}}, 400,
          "json_schema", "patternProperties"),
         ("/generate", {"text": "x", "sampling_params": {"json_schema": "[1]"}}, 400, "json_schema", None),
@@ -187,6 +196,25 @@ def test_native_generate_single_batch_and_logprobs(stack):
     outs = r.json()
     assert [o["text"] for o in outs] == ["Hello! "] * 2
     assert outs[0]["meta_info"]["finish_reason"] == {"type": "stop", "matched": "I am"}
+
+
+def test_a_format_object_structural_tag_reaches_the_engine_as_its_pattern(stack):
+    """Chat's response_format, an extra field of /v1/completions and SGLang's
+    sampling_params (as JSON text) all carry the format-object form through."""
+    from shunter.actors.grammar.structural_tag import structural_tag_regex
+
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f="],
+           "tags": [{"begin": "<f=now>", "content": {"type": "any_text"}, "end": "</f>"}]}}  # fmt: skip
+    pattern = structural_tag_regex(tag)
+    for path, body in (
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 2, "response_format": tag}),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 2, "structural_tag": tag}),
+        ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2,
+                                                        "structural_tag": json.dumps(tag)}}),
+    ):  # fmt: skip
+        r = _post(stack, path, body)
+        assert r.status_code == 200, r.text
+        assert stack.engine.seen[-1].sampling.regex == pattern, path
 
 
 def test_tokenize_detokenize_roundtrip(stack):

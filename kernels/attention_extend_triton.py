@@ -5,11 +5,12 @@ Theory of operation: one program per (block of BLOCK_M new tokens, entry, query
 head). The block's queries are at positions prefix + i; the program walks the
 entry's keys 0 .. min(seq_len, prefix + end of block) - 1 (keys past the block's last
 query are never read), gathering each block of BLOCK_N keys through the entry's row
-of a padded slot table, masks k_pos > q_pos (and keys outside the sliding window),
-and keeps an online softmax in float32. The new tokens' K/V were stored in the pool
-before the call, so the cached prefix and the new tokens are read the same way. A step
-of a few new tokens per entry leaves most of the GPU idle here (one program per query
-head walking the whole prefix); `attention_extend_triton` hands those to the GQA-packed
+of the metadata's slot table (ExtendMeta: a padded copy, or the runner's row table),
+masks k_pos > q_pos (and keys outside the sliding window), and keeps an online softmax
+in float32. The new tokens' K/V were stored in the pool before the call, so the
+cached prefix and the new tokens are read the same way. A step of a few new tokens
+per entry leaves most of the GPU idle here (one program per query head walking the
+whole prefix); `attention_extend_triton` hands those to the GQA-packed
 split-KV kernel of kernels/attention_extend_split_triton.py (up to its
 SPLIT_MAX_NEW_TOKENS).
 

@@ -23,8 +23,8 @@ latest MAX_STORED of them: GET returns it (and /input_items its own input), DELE
 forgets it, and `previous_response_id` continues its conversation (its input and
 output, calls included, ahead of the new input; its instructions are not carried
 over, as OpenAI does). An unknown id is a 404 (GET, DELETE) or a 400
-(`previous_response_id`). `text.format` json_schema and json_object constrain the
-answer as chat's response_format does. Reasoning options, background mode and `n` are
+(`previous_response_id`). `text.format` json_schema, json_object and structural_tag
+(either form) constrain the answer as chat's response_format does. Reasoning options, background mode and `n` are
 400s.
 
 Theory of operation: the input becomes the messages of one chat generation
@@ -108,6 +108,9 @@ class TextFormat(msgspec.Struct):
     name: str | None = None
     strict: bool | None = None
     description: str | None = None
+    format: Any = None  # structural_tag's format object (xgrammar's form)
+    structures: list[Any] | None = None  # structural_tag's older form (SGLang's)
+    triggers: list[Any] | None = None
 
 
 class TextOptions(msgspec.Struct):

@@ -6,6 +6,8 @@ streamed or not, continued from a stored response or not; a cut-off answer is
 
 from __future__ import annotations
 
+import re
+
 import openai
 import pytest
 
@@ -114,6 +116,37 @@ def test_a_json_schema_text_format_constrains_the_answer(client, model):
     data = json.loads(r.output_text)
     assert isinstance(data["city"], str) and isinstance(data["rainy"], bool)
     assert r.text.format.type == "json_schema" and r.text.format.name == "weather"
+
+
+def test_a_structural_tag_text_format_keeps_to_it(client, model):
+    """text.format structural_tag, both forms: the format object (a const_string, an
+    `or`, a const_string) and the older structures/triggers form (free text and tagged
+    calls whose bodies keep to their schema, or a prefix of such a text where
+    max_output_tokens cut it); each is echoed back."""
+    import regex
+
+    from shunter.actors.grammar.json_schema import schema_regex
+
+    fmt = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "The answer is "},
+        {"type": "or", "elements": [{"type": "const_string", "value": v} for v in ("yes", "no")]},
+        {"type": "const_string", "value": "."}]}}  # fmt: skip
+    r = client.responses.create(model=model, input="Is the sky blue?", max_output_tokens=16,
+                                temperature=0, text={"format": fmt})  # fmt: skip
+    assert re.fullmatch(r"The answer is (yes|no)\.", r.output_text), r.output_text
+    assert r.status == "completed" and r.text.format.type == "structural_tag"
+    schema = {"type": "object", "required": ["city"],
+              "properties": {"city": {"type": "string", "maxLength": 12}}}  # fmt: skip
+    older = {"type": "structural_tag", "triggers": ["<f="],
+             "structures": [{"begin": "<f=w>", "schema": schema, "end": "</f>"}]}  # fmt: skip
+    r = client.responses.create(model=model, input="Call <f=w> for Paris.", temperature=0,
+                                max_output_tokens=48, text={"format": older})  # fmt: skip
+    free = r"(?:(?!<f=)[\s\S])*"
+    call = re.escape("<f=w>") + schema_regex(schema) + re.escape("</f>")
+    whole = f"{free}(?:{call}{free})*"
+    cut = r.status == "incomplete"
+    assert regex.fullmatch(whole, r.output_text, partial=cut), r.output_text
+    assert r.text.format.type == "structural_tag"
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ into its unescaped form where JSON allows one and its escaped forms after a back
 (others lead to the root), with the states where a word has just ended marked; the
 builder keeps every other state accepting, so a text is taken until a word completes.
 
-Invariants: pure functions of their arguments; the tree nodes keep regex.py's shapes
+Invariants: pure functions of their arguments; the tree nodes keep regex_parser.py's shapes
 ("char", pred) | ("cat", [...]) | ("alt", [...]) | ("rep", node, lo, hi) | ("list", item,
 sep) | ("empty",).
 """

@@ -21,7 +21,7 @@ tags_with_separator is T (separator T)* or nothing, T one of its tags; at_least_
 not nothing; stop_after_first: one T at most.
 
 A format tree has no references, so every format is a regular language and nothing is
-unrolled; only sizes are bounded: nesting (MAX_NESTING), repeat counts (regex.py's
+unrolled; only sizes are bounded: nesting (MAX_NESTING), repeat counts (regex_parser.py's
 MAX_REPEAT), the pattern and its automaton (the constraint's limits). Refused with a
 ValueError naming the node's path (`format.elements[2].tags[0].begin`) and the reason:
 token-level formats (token, exclude_token, any_tokens, token_triggered_tags,
@@ -42,7 +42,8 @@ from typing import Any
 
 from shunter.actors.grammar.ebnf import ebnf_regex
 from shunter.actors.grammar.json_schema import schema_regex, whole_match_body
-from shunter.actors.grammar.regex import MAX_CONSTRAINT_CHARS, MAX_REPEAT
+from shunter.actors.grammar.regex import MAX_CONSTRAINT_CHARS
+from shunter.actors.grammar.regex_parser import MAX_REPEAT
 
 MAX_NESTING = 32  # format objects inside each other, at most
 TOKEN_LEVEL = ("token", "exclude_token", "any_tokens", "token_triggered_tags", "token_dispatch")

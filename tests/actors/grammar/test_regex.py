@@ -12,7 +12,8 @@ import re
 import pytest
 
 from shunter.actors.grammar import json_schema
-from shunter.actors.grammar.regex import Nfa, _Parser
+from shunter.actors.grammar.regex import Nfa
+from shunter.actors.grammar.regex_parser import Parser
 
 PATTERNS = [
     "a(?:,a)*",
@@ -46,7 +47,7 @@ def test_folded_lists_match_what_re_matches(pattern):
 
 def test_folding_needs_the_same_text():
     """A separated list of the same item is folded; a different item is not."""
-    parse = lambda p: _Parser(p, "regex", False, False).parse()[1]  # noqa: E731
+    parse = lambda p: Parser(p, "regex", False, False).parse()[1]  # noqa: E731
     assert parse("xa(?:,xa)*")[0] == "list"
     assert parse("a(?:,b)*")[0] == "cat"
     assert parse("ya(?:,xa)*")[1][-1][0] == "list"  # "a" folds; "y" and "x" differ

@@ -26,7 +26,8 @@ value or container inside a schema nests ANY_DEPTH levels, itself counted.
 Values are spelled as JSON, or (the PYTHON dialect, `keyword_args_regex`) as Python
 literals: True, False and None, the keyword arguments of a call `name=value, ...` in
 place of an object's members (pythonic tool calls); strings, numbers, lists and dicts
-are written alike in both.
+are written alike in both. The dialects, free values and member lists are
+json_values.py's.
 
 A reference (`#` for the whole schema) may recur: it is expanded up to ebnf.py's
 MAX_RECURSION times inside itself (fewer where the automaton would pass the
@@ -50,11 +51,20 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
+from shunter.actors.grammar.json_values import (
+    ANY_DEPTH,
+    JSON,
+    PYTHON,
+    SPACE,
+    Dialect,
+    any_value,
+    members_in_order,
+    object_of,
+)
 from shunter.actors.grammar.lexical import (
     FORMATS,
-    FRACTION,
     Irregular,
     alt,
     bounds,
@@ -67,52 +77,6 @@ from shunter.actors.grammar.regex import MAX_CONSTRAINT_CHARS, Nfa, PatternTooLa
 
 MAX_DEPTH = 16
 JSON_OBJECT_DEPTH = 3
-ANY_DEPTH = 1
-_SPACE = "[ ]?"
-_INTEGER = r"-?(?:0|[1-9][0-9]{0,17})"
-_NUMBER = _INTEGER + f"(?:{FRACTION})?" + r"(?:[eE][+-]?[0-9]{1,3})?"
-
-
-def _python_text(value: Any) -> str:
-    """A JSON value as a Python literal (True, False, None; strings, numbers, lists and
-    dicts written as json.dumps writes them, which Python reads alike)."""
-    if value is True or value is False or value is None:
-        return repr(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(map(_python_text, value)) + "]"
-    if isinstance(value, dict):
-        items = (
-            json.dumps(k, ensure_ascii=False) + ": " + _python_text(v) for k, v in value.items()
-        )
-        return "{" + ", ".join(items) + "}"
-    return json.dumps(value, ensure_ascii=False)
-
-
-class Dialect(NamedTuple):
-    """How values are spelled: JSON, or the Python literals of pythonic tool calls."""
-
-    string_char: str  # one character of a string's content, escapes included
-    true: str
-    false: str
-    null: str
-    text: Callable[[Any], str]  # a value's text
-
-    def literal(self, value: Any) -> str:
-        return re.escape(self.text(value))
-
-    @property
-    def string(self) -> str:
-        return f'"{self.string_char}*"'
-
-    def scalar(self, kind: str) -> str | None:
-        return {"string": self.string, "integer": _INTEGER, "number": _NUMBER,
-                "boolean": f"(?:{self.true}|{self.false})", "null": self.null}.get(kind)  # fmt: skip
-
-
-JSON = Dialect(r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})', "true", "false", "null",
-               lambda v: json.dumps(v, ensure_ascii=False))  # fmt: skip
-PYTHON = Dialect(r'(?:[^"\\\x00-\x1f]|\\["\\bfnrt]|\\u[0-9a-fA-F]{4})', "True", "False", "None",
-                 _python_text)  # fmt: skip
 
 
 def _alt_some(parts: list[str | None]) -> str | None:
@@ -247,7 +211,7 @@ class _Converter:
                 return r"\{\}"
             free = extra is True or extra == {}
             value = self.free(depth, inside=True) if free else self.value(extra, depth + 1)
-            return r"\{\}" if value is None else _object_of(value, self.d)
+            return r"\{\}" if value is None else object_of(value, self.d)
         props = node.get("properties") or {}
         if not isinstance(props, dict):
             raise self.fail("'properties' must be an object")
@@ -259,8 +223,8 @@ class _Converter:
                 if name in required:
                     return None
                 continue
-            members.append((self.d.literal(name) + ":" + _SPACE + value, name in required))
-        return r"\{" + _members(members) + r"\}"
+            members.append((self.d.literal(name) + ":" + SPACE + value, name in required))
+        return r"\{" + members_in_order(members) + r"\}"
 
     def array(self, node: dict, depth: int) -> str | None:
         items = node.get("items")
@@ -269,7 +233,7 @@ class _Converter:
         if item is None:
             return r"\[\]" if lo == 0 else None
         rest_hi = "" if hi is None else str(max(int(hi) - 1, 0))
-        more = f"(?:,{_SPACE}{item}){{{max(lo - 1, 0)},{rest_hi}}}"
+        more = f"(?:,{SPACE}{item}){{{max(lo - 1, 0)},{rest_hi}}}"
         body = f"{item}{more}"
         if hi is not None and int(hi) == 0:
             return r"\[\]"
@@ -340,7 +304,7 @@ def keyword_args_regex(schema: dict) -> str:
     def kwargs(c: _Converter) -> str | None:
         if "properties" not in schema:
             member = r"[A-Za-z_][A-Za-z0-9_]*=" + c.free(1)
-            return f"(?:{member}(?:,{_SPACE}{member})*)?"
+            return f"(?:{member}(?:,{SPACE}{member})*)?"
         required = set(schema.get("required") or ())
         members = []
         for name, node in (schema.get("properties") or {}).items():
@@ -350,7 +314,7 @@ def keyword_args_regex(schema: dict) -> str:
                     return None
                 continue
             members.append((re.escape(name) + "=" + value, name in required))
-        return _members(members)
+        return members_in_order(members)
 
     return _unrolled(schema, kwargs, PYTHON, empty_ok=True)  # no parameters: ()
 
@@ -370,40 +334,6 @@ def _unrolled(schema: dict, write_with: Callable[[_Converter], str | None], d: D
     return unroll(write, "json_schema", empty_ok=empty_ok)
 
 
-def _members(members: list[tuple[str, bool]]) -> str:
-    """An object's members in order, each (pattern, required); one that is not required
-    may be left out. Alternatives say which member comes first (no comma before it),
-    up to the first required one."""
-    sep = "," + _SPACE
-
-    def rest(i: int) -> str:
-        return "".join(f"{sep}{m}" if req else f"(?:{sep}{m})?" for m, req in members[i:])
-
-    firsts = []
-    for k, (m, req) in enumerate(members):
-        firsts.append(m + rest(k + 1))
-        if req:
-            break
-    else:
-        firsts.append("")  # every member left out
-    return alt(firsts)
-
-
-def _object_of(value: str, d: Dialect = JSON) -> str:
-    member = d.string + ":" + _SPACE + value
-    return r"\{(?:" + member + "(?:," + _SPACE + member + r")*)?\}"
-
-
-def any_value(depth: int = ANY_DEPTH, d: Dialect = JSON) -> str:
-    """Any JSON value nesting at most `depth` objects or arrays."""
-    scalar = alt([d.string, _NUMBER, d.true, d.false, d.null])
-    value = scalar
-    for _ in range(depth):
-        arr = r"\[(?:" + value + "(?:," + _SPACE + value + r")*)?\]"
-        value = alt([scalar, _object_of(value, d), arr])
-    return value
-
-
 def json_object(depth: int = JSON_OBJECT_DEPTH) -> str:
     """Any JSON object whose values nest at most `depth` objects or arrays deep."""
-    return _object_of(any_value(depth))
+    return object_of(any_value(depth))

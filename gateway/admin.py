@@ -52,7 +52,7 @@ from shunter.bus.messages import GenerateRequest, SamplingParams, WeightsQuery, 
 from shunter.gateway.app import ctx_of, generation, json_response, read_body
 from shunter.gateway.engine import new_id
 from shunter.gateway.errors import APIError, bad_request
-from shunter.gateway.validation import decode_body
+from shunter.gateway.schemas import decode_body
 
 routes = web.RouteTableDef()
 

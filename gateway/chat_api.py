@@ -26,18 +26,15 @@ from shunter.gateway.engine import new_id
 from shunter.gateway.errors import APIError, bad_request
 from shunter.gateway.formats import Acc, chat_logprobs, usage
 from shunter.gateway.openai_api import end_stream, error_event, expand_ids, seeded
+from shunter.gateway.schemas import ChatCompletionRequest, decode_body
+from shunter.gateway.tool_choice import check_tools, constrain_to_calls, tool_parser
 from shunter.gateway.validation import (
-    ChatCompletionRequest,
     chat_messages,
     check_max_tokens,
     check_model,
     check_n,
-    check_tools,
-    constrain_to_calls,
-    decode_body,
     generation_prompt,
     sampling_from,
-    tool_parser,
 )
 
 routes = web.RouteTableDef()

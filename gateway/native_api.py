@@ -42,15 +42,8 @@ from shunter.gateway.app import (
 from shunter.gateway.engine import draw_seed, new_id
 from shunter.gateway.errors import APIError, bad_request
 from shunter.gateway.formats import Acc
-from shunter.gateway.validation import (
-    GenerateBody,
-    NativeSamplingParams,
-    check_logprob_ids,
-    check_max_tokens,
-    check_n,
-    decode_body,
-    sampling_from,
-)
+from shunter.gateway.schemas import GenerateBody, NativeSamplingParams, decode_body
+from shunter.gateway.validation import check_logprob_ids, check_max_tokens, check_n, sampling_from
 
 routes = web.RouteTableDef()
 

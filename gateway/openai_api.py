@@ -40,15 +40,13 @@ from shunter.gateway.app import (
 from shunter.gateway.engine import draw_seed, new_id
 from shunter.gateway.errors import APIError, bad_request
 from shunter.gateway.formats import Acc, completion_logprobs, usage
+from shunter.gateway.schemas import CompletionRequest, TokenId, decode_body
 from shunter.gateway.validation import (
-    CompletionRequest,
-    TokenId,
     chat_messages,
     check_max_tokens,
     check_model,
     check_n,
     completion_prompts,
-    decode_body,
     generation_prompt,
     sampling_from,
 )
@@ -282,7 +280,7 @@ async def tokenize(request: web.Request) -> web.Response:
         raise bad_request("give exactly one of prompt or messages", param="prompt")
     messages = None
     if body.messages:
-        from shunter.gateway.validation import ChatMessageIn
+        from shunter.gateway.schemas import ChatMessageIn
 
         try:
             parsed = msgspec.convert(body.messages, list[ChatMessageIn])

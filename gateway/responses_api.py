@@ -57,16 +57,13 @@ from shunter.gateway.engine import new_id
 from shunter.gateway.errors import APIError, bad_request
 from shunter.gateway.formats import Acc
 from shunter.gateway.responses_items import chat_tools, input_messages, stored_items
+from shunter.gateway.schemas import I64, SamplingFields, decode_body
+from shunter.gateway.tool_choice import constrain_to_calls, tool_parser
 from shunter.gateway.validation import (
-    I64,
-    SamplingFields,
     check_max_tokens,
     check_model,
-    constrain_to_calls,
     constraint_regex,
-    decode_body,
     sampling_from,
-    tool_parser,
 )
 
 routes = web.RouteTableDef()

@@ -14,13 +14,8 @@ from typing import Any
 
 from shunter.bus.messages import ChatMessage
 from shunter.gateway.errors import bad_request
-from shunter.gateway.validation import (
-    ChatMessageIn,
-    ContentPart,
-    FunctionCallIn,
-    ToolCallIn,
-    chat_messages,
-)
+from shunter.gateway.schemas import ChatMessageIn, ContentPart, FunctionCallIn, ToolCallIn
+from shunter.gateway.validation import chat_messages
 
 TEXT_PARTS = ("input_text", "output_text")
 

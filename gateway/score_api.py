@@ -27,7 +27,8 @@ from shunter.gateway.app import ctx_of, generation, json_response, read_body
 from shunter.gateway.engine import new_id
 from shunter.gateway.errors import APIError, bad_request
 from shunter.gateway.formats import Acc
-from shunter.gateway.validation import check_logprob_ids, check_model, decode_body, is_token_ids
+from shunter.gateway.schemas import decode_body
+from shunter.gateway.validation import check_logprob_ids, check_model, is_token_ids
 
 routes = web.RouteTableDef()
 

@@ -19,7 +19,7 @@ from shunter.bus.inproc import InProcHub
 from shunter.bus.messages import Ready
 from shunter.ops import serve
 from shunter.ops.launch import resolve
-from shunter.ops.serve import (
+from shunter.ops.serve_plan import (
     EXECUTOR_ID,
     actor_specs,
     build_config,

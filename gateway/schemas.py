@@ -48,14 +48,11 @@ class StreamOptions(msgspec.Struct):
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(msgspec.Struct, kw_only=True):
-    """Fields shared by /v1/completions, /v1/chat/completions and /v1/responses (OpenAI
-    names plus the SGLang/vLLM extensions that clients pass through extra_body)."""
+class SamplingKnobs(msgspec.Struct, kw_only=True):
+    """The sampling and output-constraint fields that /generate's sampling_params and
+    the OpenAI-style bodies both take, under the same names."""
 
-    model: str | None = None
     n: I64 = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: I64 | None = None
@@ -67,19 +64,28 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[TokenId] | None = None
     seed: Seed | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
-    min_tokens: I64 = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
-    priority: Priority = 0
-    rid: str | None = None
     regex: Any = None
     ebnf: Any = None
     json_schema: Any = None
     structural_tag: Any = None
     stop_regex: str | list[str] | None = None
+
+
+class SamplingFields(SamplingKnobs, kw_only=True):
+    """Fields shared by /v1/completions, /v1/chat/completions and /v1/responses (OpenAI
+    names plus the SGLang/vLLM extensions that clients pass through extra_body)."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    min_tokens: I64 = 0
+    priority: Priority = 0
+    rid: str | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -146,33 +152,12 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class NativeSamplingParams(msgspec.Struct, kw_only=True):
+class NativeSamplingParams(SamplingKnobs, kw_only=True):
     """`sampling_params` of SGLang's /generate."""
 
     max_new_tokens: I64 = 128
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: I64 | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
     min_new_tokens: I64 = 0
-    stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
-    n: I64 = 1
-    seed: Seed | None = None
     sampling_seed: Seed | None = None
-    logit_bias: dict[str, float] | None = None
-    regex: Any = None
-    ebnf: Any = None
-    json_schema: Any = None
-    structural_tag: Any = None
-    stop_regex: str | list[str] | None = None
 
     @property
     def min_tokens(self) -> int:

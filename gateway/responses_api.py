@@ -24,8 +24,8 @@ forgets it, and `previous_response_id` continues its conversation (its input and
 output, calls included, ahead of the new input; its instructions are not carried
 over, as OpenAI does). An unknown id is a 404 (GET, DELETE) or a 400
 (`previous_response_id`). `text.format` json_schema, json_object and structural_tag
-(either form) constrain the answer as chat's response_format does. Reasoning options, background mode and `n` are
-400s.
+(either form) constrain the answer as chat's response_format does. Reasoning options,
+background mode and `n` are 400s.
 
 Theory of operation: the input becomes the messages of one chat generation
 (chat_api.py's path through the chat template); the handler shapes its deltas, and

@@ -71,6 +71,12 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
     return APIError(400, message, param=param, code=code)
 
 
+def require(cond: bool, message: str, param: str | None) -> None:
+    """A 400 naming param unless cond holds."""
+    if not cond:
+        raise bad_request(message, param=param)
+
+
 def from_request_failed(code: str, message: str, http_status: int) -> APIError:
     """The HTTP error for a `RequestFailed` from the engine."""
     status = http_status if 400 <= http_status <= 599 else 500

@@ -10,9 +10,8 @@ from typing import Any
 import msgspec
 
 from shunter.bus.messages import SamplingParams
-from shunter.gateway.errors import bad_request
+from shunter.gateway.errors import bad_request, require
 from shunter.gateway.tool_calls import PARSERS
-from shunter.gateway.validation import _check
 
 
 def tool_parser(tools: list[Any] | None, tool_choice: Any, parser: str | None, *,
@@ -21,16 +20,16 @@ def tool_parser(tools: list[Any] | None, tool_choice: Any, parser: str | None, *
     tools, its tool_choice and the server's --tool-call-parser. `forced_ok`: the
     endpoint constrains the answer for a required or named call (forced_call)."""
     if not forced_ok:
-        _check(tool_choice in (None, "auto", "none"), "tool_choice must be 'auto' or 'none' "
-               "here (a required or named call is taken by /v1/chat/completions)",
-               "tool_choice")  # fmt: skip
+        require(tool_choice in (None, "auto", "none"), "tool_choice must be 'auto' or 'none' "
+                "here (a required or named call is taken by /v1/chat/completions)",
+                "tool_choice")  # fmt: skip
     forced = forced_call(tool_choice)
-    _check(forced is None or bool(tools), "tool_choice asks for a call but there are no tools",
-           "tool_choice")  # fmt: skip
+    require(forced is None or bool(tools), "tool_choice asks for a call but there are no tools",
+            "tool_choice")  # fmt: skip
     if not tools or tool_choice == "none":
         return None
-    _check(parser is not None, "tools need a server started with --tool-call-parser "
-           f"({', '.join(PARSERS)})", "tools")  # fmt: skip
+    require(parser is not None, "tools need a server started with --tool-call-parser "
+            f"({', '.join(PARSERS)})", "tools")  # fmt: skip
     return parser
 
 
@@ -43,9 +42,9 @@ def forced_call(tool_choice: Any) -> str | None:
     if tool_choice == "required":
         return ""
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
-    _check(isinstance(fn, dict) and isinstance(fn.get("name"), str) and bool(fn["name"]),
-           "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', "
-           "'function': {'name': ...}}", "tool_choice")  # fmt: skip
+    require(isinstance(fn, dict) and isinstance(fn.get("name"), str) and bool(fn["name"]),
+            "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', "
+            "'function': {'name': ...}}", "tool_choice")  # fmt: skip
     return fn["name"]
 
 
@@ -85,8 +84,8 @@ def check_tools(tools: list[Any]) -> list[dict[str, Any]]:
     """OpenAI function tools, each {type: "function", function: {name, ...}}."""
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
-        _check(isinstance(fn, dict) and t.get("type", "function") == "function"
-               and isinstance(fn.get("name"), str) and bool(fn["name"]),
-               f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
-               f"tools[{i}]")  # fmt: skip
+        require(isinstance(fn, dict) and t.get("type", "function") == "function"
+                and isinstance(fn.get("name"), str) and bool(fn["name"]),
+                f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
+                f"tools[{i}]")  # fmt: skip
     return list(tools)

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 from shunter.bus.messages import ChatMessage, SamplingParams
-from shunter.gateway.errors import APIError, bad_request
+from shunter.gateway.errors import APIError, bad_request, require
 from shunter.gateway.schemas import ChatMessageIn, SamplingFields
 
 
@@ -22,11 +22,6 @@ class Limits(msgspec.Struct, frozen=True):
     max_n: int
     max_top_logprobs: int
     max_prompts: int
-
-
-def _check(cond: bool, message: str, param: str) -> None:
-    if not cond:
-        raise bad_request(message, param=param)
 
 
 MAX_LOGPROB_TOKEN_IDS = 1024  # ids one request may ask logprobs of (token_ids_logprob, labels)
@@ -74,14 +69,14 @@ def constraint_regex(req: Any, fmt: Any = None, fmt_param: str = "response_forma
     given = [n for n in names if getattr(req, n, None) is not None]
     if fmt is not None and fmt.type != "text":
         given.append(fmt_param)
-    _check(len(given) <= 1, f"give at most one of regex, json_schema, ebnf, structural_tag, {fmt_param}; "
-                            f"got {', '.join(given)}", given[-1] if given else None)  # fmt: skip
+    require(len(given) <= 1, f"give at most one of regex, json_schema, ebnf, structural_tag, {fmt_param}; "
+                             f"got {', '.join(given)}", given[-1] if given else None)  # fmt: skip
     if not given:
         return ""
     try:
         if given[0] == "regex":
-            _check(isinstance(req.regex, str) and req.regex != "", "regex must be a non-empty "
-                   "string", "regex")  # fmt: skip
+            require(isinstance(req.regex, str) and req.regex != "", "regex must be a non-empty "
+                    "string", "regex")  # fmt: skip
             return req.regex
         if given[0] == "json_schema":
             return schema_regex(req.json_schema)
@@ -105,7 +100,7 @@ def constraint_regex(req: Any, fmt: Any = None, fmt_param: str = "response_forma
                               "json_object, json_schema or structural_tag)", param=fmt_param)  # fmt: skip
         nested = getattr(fmt, "json_schema", None)
         schema = nested.schema if nested is not None else fmt.schema
-        _check(schema is not None, f"{fmt_param} json_schema needs a schema", fmt_param)
+        require(schema is not None, f"{fmt_param} json_schema needs a schema", fmt_param)
         return schema_regex(schema)
     except ValueError as e:
         raise bad_request(str(e), param=given[0]) from None
@@ -118,14 +113,14 @@ def stop_list(stop: str | list[str] | None, param: str = "stop") -> list[str]:
         return []
     stops = [stop] if isinstance(stop, str) else list(stop)
     what = "stop strings" if param == "stop" else "stop regexes"
-    _check(all(stops), f"{what} must not be empty", param)
+    require(all(stops), f"{what} must not be empty", param)
     return stops
 
 
 def generation_prompt(add_generation_prompt: bool | None, continue_final_message: bool) -> bool:
     """Whether the chat template adds the assistant's turn opening: as asked, else
     unless the last message is to be continued; both at once is refused."""
-    _check(
+    require(
         not (add_generation_prompt and continue_final_message),
         "continue_final_message and add_generation_prompt cannot both be true",
         "continue_final_message",
@@ -136,14 +131,14 @@ def generation_prompt(add_generation_prompt: bool | None, continue_final_message
 
 
 def check_n(n: int, limits: Limits) -> None:
-    _check(1 <= n <= limits.max_n, f"n must be between 1 and {limits.max_n}, got {n}", "n")
+    require(1 <= n <= limits.max_n, f"n must be between 1 and {limits.max_n}, got {n}", "n")
 
 
 def check_max_tokens(value: int | None, limits: Limits, param: str, *, minimum: int = 1) -> None:
     if value is None:
         return
-    _check(value >= minimum, f"{param} must be at least {minimum}, got {value}", param)
-    _check(
+    require(value >= minimum, f"{param} must be at least {minimum}, got {value}", param)
+    require(
         value < limits.max_context_len,
         f"{param} is {value}, but this model's context length is {limits.max_context_len} "
         "tokens (prompt included)",
@@ -156,29 +151,29 @@ def sampling_from(
 ) -> SamplingParams:
     """OpenAI request -> SamplingParams, checking every range (seed is set per choice)."""
     t = 1.0 if req.temperature is None else req.temperature
-    _check(0.0 <= t <= 100.0, f"temperature must be between 0 and 100, got {t}", "temperature")
+    require(0.0 <= t <= 100.0, f"temperature must be between 0 and 100, got {t}", "temperature")
     top_p = 1.0 if req.top_p is None else req.top_p
-    _check(0.0 < top_p <= 1.0, f"top_p must be in (0, 1], got {top_p}", "top_p")
+    require(0.0 < top_p <= 1.0, f"top_p must be in (0, 1], got {top_p}", "top_p")
     top_k = -1 if req.top_k is None else req.top_k
-    _check(top_k == -1 or top_k >= 1, f"top_k must be -1 (all) or >= 1, got {top_k}", "top_k")
+    require(top_k == -1 or top_k >= 1, f"top_k must be -1 (all) or >= 1, got {top_k}", "top_k")
     min_p = 0.0 if req.min_p is None else req.min_p
-    _check(0.0 <= min_p <= 1.0, f"min_p must be in [0, 1], got {min_p}", "min_p")
+    require(0.0 <= min_p <= 1.0, f"min_p must be in [0, 1], got {min_p}", "min_p")
     pres = req.presence_penalty or 0.0
     freq = req.frequency_penalty or 0.0
-    _check(
+    require(
         -2.0 <= pres <= 2.0, f"presence_penalty must be in [-2, 2], got {pres}", "presence_penalty"
     )
-    _check(
+    require(
         -2.0 <= freq <= 2.0,
         f"frequency_penalty must be in [-2, 2], got {freq}",
         "frequency_penalty",
     )
     rep = 1.0 if req.repetition_penalty is None else req.repetition_penalty
-    _check(
+    require(
         0.0 < rep <= 2.0, f"repetition_penalty must be in (0, 2], got {rep}", "repetition_penalty"
     )
-    _check(req.min_tokens >= 0, f"min_tokens must be >= 0, got {req.min_tokens}", "min_tokens")
-    _check(
+    require(req.min_tokens >= 0, f"min_tokens must be >= 0, got {req.min_tokens}", "min_tokens")
+    require(
         req.min_tokens <= max_new_tokens,
         f"min_tokens ({req.min_tokens}) is larger than the maximum number of tokens "
         f"({max_new_tokens})",
@@ -192,14 +187,14 @@ def sampling_from(
             raise bad_request(
                 f"logit_bias keys must be token ids, got {k!r}", param="logit_bias"
             ) from None
-        _check(0 <= tid < 2**31, f"logit_bias token id must be in [0, 2^31), got {tid}",
-               "logit_bias")  # fmt: skip
-        _check(
+        require(0 <= tid < 2**31, f"logit_bias token id must be in [0, 2^31), got {tid}",
+                "logit_bias")  # fmt: skip
+        require(
             -100.0 <= v <= 100.0, f"logit_bias values must be in [-100, 100], got {v}", "logit_bias"
         )
         bias[tid] = float(v)
     stop_ids = list(req.stop_token_ids or [])
-    _check(all(i >= 0 for i in stop_ids), "stop_token_ids must be >= 0", "stop_token_ids")
+    require(all(i >= 0 for i in stop_ids), "stop_token_ids must be >= 0", "stop_token_ids")
     return SamplingParams(
         max_new_tokens=max_new_tokens,
         temperature=t,
@@ -229,14 +224,14 @@ def completion_prompts(prompt: str | list[Any], limits: Limits) -> list[str | li
     """OpenAI's four prompt shapes (str, [str], [int], [[int]]) -> a list of prompts."""
     if isinstance(prompt, str):
         return [prompt]
-    _check(len(prompt) > 0, "prompt must not be an empty list", "prompt")
+    require(len(prompt) > 0, "prompt must not be an empty list", "prompt")
     if all(isinstance(p, str) for p in prompt):
         prompts: list[str | list[int]] = list(prompt)
     elif all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
         prompts = [list(prompt)]
     elif all(isinstance(p, list) for p in prompt):
         for p in prompt:
-            _check(
+            require(
                 len(p) > 0 and all(isinstance(i, int) and not isinstance(i, bool) for i in p),
                 "each token-id prompt must be a non-empty list of integers",
                 "prompt",
@@ -248,23 +243,23 @@ def completion_prompts(prompt: str | list[Any], limits: Limits) -> list[str | li
             "or a list of lists of token ids",
             param="prompt",
         )
-    _check(
+    require(
         len(prompts) <= limits.max_prompts,
         f"at most {limits.max_prompts} prompts per request, got {len(prompts)}",
         "prompt",
     )
     for p in prompts:
         if isinstance(p, list):
-            _check(all(0 <= i < 2**31 for i in p), "token ids must be in [0, 2^31)", "prompt")
+            require(all(0 <= i < 2**31 for i in p), "token ids must be in [0, 2^31)", "prompt")
     return prompts
 
 
 def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
     """OpenAI chat messages -> bus ChatMessages (text only)."""
-    _check(len(messages) > 0, "messages must not be empty", "messages")
+    require(len(messages) > 0, "messages must not be empty", "messages")
     out: list[ChatMessage] = []
     for i, m in enumerate(messages):
-        _check(
+        require(
             m.role in ("system", "user", "assistant", "developer", "tool"),
             f"messages[{i}].role must be one of system, user, assistant, developer, tool; "
             f"got {m.role!r}",
@@ -277,7 +272,7 @@ def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
         else:
             parts = []
             for p in m.content:
-                _check(
+                require(
                     p.type == "text" and p.text is not None,
                     f"messages[{i}].content: only text parts are supported, got {p.type!r}",
                     f"messages[{i}].content",

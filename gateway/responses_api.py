@@ -57,7 +57,7 @@ from shunter.gateway.engine import new_id
 from shunter.gateway.errors import APIError, bad_request
 from shunter.gateway.formats import Acc
 from shunter.gateway.responses_items import chat_tools, input_messages, stored_items
-from shunter.gateway.schemas import I64, SamplingFields, decode_body
+from shunter.gateway.schemas import I64, SamplingFields, StructuralTagFields, decode_body
 from shunter.gateway.tool_choice import constrain_to_calls, tool_parser
 from shunter.gateway.validation import (
     check_max_tokens,
@@ -99,15 +99,12 @@ class ResponseStore:
 STORE = web.AppKey("responses", ResponseStore)
 
 
-class TextFormat(msgspec.Struct):
+class TextFormat(StructuralTagFields, kw_only=True):
     type: str
     schema: dict[str, Any] | None = None  # json_schema's, with its name and strictness
     name: str | None = None
     strict: bool | None = None
     description: str | None = None
-    format: Any = None  # structural_tag's format object (xgrammar's form)
-    structures: list[Any] | None = None  # structural_tag's older form (SGLang's)
-    triggers: list[Any] | None = None
 
 
 class TextOptions(msgspec.Struct):

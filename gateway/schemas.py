@@ -128,13 +128,19 @@ class JsonSchemaFormat(msgspec.Struct):
     description: str | None = None
 
 
-class ResponseFormat(msgspec.Struct):
+class StructuralTagFields(msgspec.Struct, kw_only=True):
+    """An output format's structural tag (type structural_tag): the format object
+    (xgrammar's form) or structures and triggers (SGLang's older form)."""
+
+    format: Any = None
+    structures: list[Any] | None = None
+    triggers: list[Any] | None = None
+
+
+class ResponseFormat(StructuralTagFields, kw_only=True):
     type: str
     json_schema: JsonSchemaFormat | None = None
     schema: dict[str, Any] | None = None  # vLLM/SGLang also take it here
-    structures: list[Any] | None = None  # type structural_tag (SGLang)
-    triggers: list[Any] | None = None
-    format: Any = None  # type structural_tag, the format-object form (xgrammar's)
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
